@@ -1,0 +1,64 @@
+// ga_accumulate: validation, then one chunked pass on the CPU kernels.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "internal.h"
+
+using namespace ga::detail;
+
+extern "C" ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list grads,
+                                   const ga_accumulate_options* options, int want_sumsq,
+                                   ga_accumulate_result* result) {
+  return guarded([&] {
+    if (options == nullptr) fail(kGaInvalidArgument, "options", "options is null");
+    check_list(accumulators, "accumulators");
+    check_list(grads, "grads");
+    check_same_sizes(accumulators, "accumulators", grads, "grads");
+    check_list_dtype_in(accumulators, "accumulators", {kGaFloat32, kGaFloat64});
+    check_list_dtype_in(grads, "grads", {kGaFloat32, kGaBFloat16, kGaFloat16, kGaFloat64});
+    check_all_cpu({{&accumulators, "accumulators"}, {&grads, "grads"}});
+    const double w = options->weight;
+    if (!std::isfinite(w) || w < 0)
+      fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
+    float alpha = 1.0f, beta = static_cast<float>(w);
+    switch (options->mode) {
+      case kGaAccumulateSum: break;
+      case kGaAccumulateRunningMean: {
+        const double before = options->overwrite ? 0.0 : options->weight_before;
+        if (!std::isfinite(before) || before < 0)
+          fail(kGaInvalidArgument, "weight_before", "weight_before must be finite and >= 0");
+        const double total = before + w;
+        if (total <= 0)
+          fail(kGaInvalidArgument, "weight", "running mean needs a positive total weight");
+        alpha = static_cast<float>(before / total);
+        beta = static_cast<float>(w / total);
+        break;
+      }
+      default: fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
+    }
+    std::vector<Range> written, read;
+    add_ranges(written, accumulators, "accumulators");
+    add_ranges(read, grads, "grads");
+    check_disjoint(written, read);
+
+    static thread_local std::vector<Chunk> chunks;
+    static thread_local std::vector<uint8_t> bad;
+    static thread_local std::vector<double> part;
+    make_chunks(accumulators, chunks);
+    bad.assign(chunks.size(), 0);
+    if (want_sumsq) part.assign(chunks.size(), 0.0);
+    AccumulateArgs a{accumulators.tensors, grads.tensors, alpha, beta,
+                     options->overwrite != 0, want_sumsq != 0, chunks.data(),
+                     static_cast<int64_t>(chunks.size()), bad.data(), part.data()};
+    if (!chunks.empty()) cpu_kernels().accumulate(a);
+    if (result) {
+      result->nonfinite = 0;
+      for (uint8_t b : bad) result->nonfinite |= b;
+      double s = 0.0;
+      if (want_sumsq)
+        for (double p : part) s += p;
+      result->sumsq = want_sumsq ? s : -1.0;
+    }
+  });
+}

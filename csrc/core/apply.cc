@@ -1,0 +1,206 @@
+// ga_apply: validate everything, compute the clip coefficient (global norm or per unit), then
+// one fused pass per tensor on the CPU kernels.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "internal.h"
+
+using namespace ga::detail;
+
+namespace ga {
+namespace detail {
+void check_units(const ga_tensor& t, const ga_units& u, const std::string& name);
+double list_sumsq(const ga_tensor_list& tensors);
+}  // namespace detail
+}  // namespace ga
+
+namespace {
+
+void check_finite(double v, const char* name, double lo, bool lo_inclusive) {
+  if (!std::isfinite(v) || v < lo || (!lo_inclusive && v == lo)) {
+    fail(kGaInvalidArgument, name,
+         std::string(name) + " must be finite and " + (lo_inclusive ? ">= " : "> ") +
+             std::to_string(lo) + ", got " + std::to_string(v));
+  }
+}
+
+void validate_options(const ga_apply_options& o, bool has_coef_ptr) {
+  if (!std::isfinite(o.grad_scale)) fail(kGaInvalidArgument, "grad_scale", "grad_scale must be finite");
+  switch (o.clip) {
+    case kGaClipNone: break;
+    case kGaClipGlobalNorm:
+      if (!has_coef_ptr) check_finite(o.max_norm, "max_norm", 0.0, false);
+      break;
+    case kGaClipAgc:
+      check_finite(o.clip_factor, "clip_factor", 0.0, false);
+      check_finite(o.agc_eps, "eps", 0.0, true);
+      if (o.units == nullptr) fail(kGaInvalidArgument, "units", "AGC needs the unit layout of every tensor");
+      break;
+    default: fail(kGaInvalidArgument, "clip", "unknown clip mode");
+  }
+  switch (o.optimizer) {
+    case kGaOptimizerNone: return;
+    case kGaOptimizerSGD:
+      check_finite(o.momentum, "momentum", 0.0, true);
+      check_finite(o.dampening, "dampening", -1e300, true);
+      if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+        fail(kGaInvalidArgument, "nesterov", "Nesterov momentum requires a momentum and zero dampening");
+      break;
+    case kGaOptimizerAdam:
+    case kGaOptimizerAdamW:
+      if (!(o.beta1 >= 0 && o.beta1 < 1)) fail(kGaInvalidArgument, "beta1", "beta1 must be in [0, 1)");
+      if (!(o.beta2 >= 0 && o.beta2 < 1)) fail(kGaInvalidArgument, "beta2", "beta2 must be in [0, 1)");
+      check_finite(o.adam_eps, "eps", 0.0, true);
+      if (o.step < 1) fail(kGaInvalidArgument, "step", "step must be >= 1 (the step this update makes)");
+      break;
+    default: fail(kGaInvalidArgument, "optimizer", "unknown optimizer");
+  }
+  check_finite(o.lr, "lr", 0.0, true);
+  check_finite(o.weight_decay, "weight_decay", 0.0, true);
+}
+
+}  // namespace
+
+namespace ga {
+namespace detail {
+
+ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_apply_result* result,
+                    const char* acc_name, const char* param_name) {
+  return guarded([&] {
+    if (tp == nullptr) fail(kGaInvalidArgument, "tensors", "tensors is null");
+    if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
+    const ga_apply_tensors& t = *tp;
+    const ga_apply_options& o = *op;
+    validate_options(o, o.clip_coef != nullptr);
+    const bool update = o.optimizer != kGaOptimizerNone;
+    const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
+    const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
+    const bool agc = o.clip == kGaClipAgc;
+
+    check_list(t.accumulators, acc_name);
+    check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32, kGaFloat64});
+    const ga_tensor_list empty{nullptr, 0};
+    const ga_tensor_list& params = (update || agc) ? t.params : empty;
+    if (update || agc) {
+      check_list(t.params, param_name);
+      check_same_sizes(t.accumulators, acc_name, t.params, param_name);
+      check_list_dtype_in(t.params, param_name, {kGaFloat32, kGaBFloat16, kGaFloat16});
+    }
+    auto check_state = [&](const ga_tensor_list& s, const char* name) {
+      check_list(s, name);
+      check_same_sizes(t.params, param_name, s, name);
+      for (int64_t i = 0; i < s.size; ++i) {
+        if (s.tensors[i].dtype != t.params.tensors[i].dtype && s.tensors[i].dtype != kGaFloat32) {
+          fail(kGaTypeError, item(name, i),
+               item(name, i) + " has dtype " + dtype_name(s.tensors[i].dtype) +
+                   "; optimizer state must have the parameter's dtype (" +
+                   dtype_name(t.params.tensors[i].dtype) + ") or float32");
+        }
+        if (i > 0 && (s.tensors[i].dtype == kGaFloat32) != (s.tensors[0].dtype == kGaFloat32) &&
+            t.params.tensors[i].dtype != kGaFloat32)
+          fail(kGaTypeError, item(name, i), item(name, i) + ": mixed state dtypes in one call");
+      }
+    };
+    const ga_tensor_list& s1 = (momentum || adam) ? t.state1 : empty;
+    const ga_tensor_list& s2 = adam ? t.state2 : empty;
+    if (momentum || adam) check_state(t.state1, "state1");
+    if (adam) {
+      check_state(t.state2, "state2");
+      for (int64_t i = 0; i < t.state2.size; ++i)
+        if (t.state2.tensors[i].dtype != t.state1.tensors[i].dtype)
+          fail(kGaTypeError, item("state2", i), item("state2", i) + " and state1 differ in dtype");
+    }
+    if (!update && o.reset && t.grads_out.size == 0)
+      fail(kGaInvalidArgument, "reset",
+           "reset would erase the gradient written in place; give grads_out or reset=0");
+    const ga_tensor_list& out = (!update) ? t.grads_out : empty;
+    if (!update && t.grads_out.size > 0) {
+      check_list(t.grads_out, "grads_out");
+      check_same_sizes(t.accumulators, acc_name, t.grads_out, "grads_out");
+    }
+    check_all_cpu({{&t.accumulators, acc_name}, {&params, param_name}, {&s1, "state1"},
+                   {&s2, "state2"}, {&out, "grads_out"}});
+    if (agc) {
+      for (int64_t i = 0; i < t.accumulators.size; ++i)
+        check_units(t.accumulators.tensors[i], o.units[i], item("units", i));
+    }
+    std::vector<Range> written, read;
+    add_ranges(written, t.accumulators, acc_name);
+    add_ranges(update ? written : read, params, param_name);
+    add_ranges(written, s1, "state1");
+    add_ranges(written, s2, "state2");
+    add_ranges(written, out, "grads_out");
+    check_disjoint(written, read);
+
+    // ---- everything is valid: from here on the call either completes or skips as a whole ----
+    double grad_norm = -1.0, coef = 1.0;
+    const double scale = o.grad_scale;
+    bool skip = false;
+    if ((o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite) {
+      const double s = list_sumsq(t.accumulators);
+      grad_norm = std::sqrt(s) * std::fabs(scale);
+      if (o.skip_nonfinite && !std::isfinite(grad_norm)) skip = true;
+    }
+    if (o.clip == kGaClipGlobalNorm) {
+      coef = o.clip_coef ? static_cast<double>(*o.clip_coef)
+                         : std::min(1.0, o.max_norm / (grad_norm + 1e-6));
+    }
+    std::vector<float> unit_scale;
+    std::vector<int64_t> unit_offset;
+    if (agc && !skip) {
+      int64_t total = 0;
+      unit_offset.resize(static_cast<size_t>(t.accumulators.size));
+      for (int64_t i = 0; i < t.accumulators.size; ++i) {
+        unit_offset[i] = total;
+        total += o.units[i].num_units;
+      }
+      unit_scale.resize(static_cast<size_t>(total));
+      std::vector<double> ps, gs;
+      for (int64_t i = 0; i < t.accumulators.size; ++i) {
+        const int64_t nu = o.units[i].num_units;
+        ps.assign(nu, 0.0);
+        gs.assign(nu, 0.0);
+        cpu_kernels().unit_sumsq(UnitSumsqArgs{t.params.tensors[i], o.units[i], ps.data()});
+        cpu_kernels().unit_sumsq(UnitSumsqArgs{t.accumulators.tensors[i], o.units[i], gs.data()});
+        for (int64_t u = 0; u < nu; ++u) {
+          const double pn = std::max(std::sqrt(ps[u]), o.agc_eps);
+          const double gn = std::sqrt(gs[u]) * std::fabs(scale);
+          if (o.skip_nonfinite && !std::isfinite(gn)) skip = true;
+          const double max_norm = pn * o.clip_factor;
+          const double c = gn > max_norm ? max_norm / std::max(gn, 1e-6) : 1.0;
+          unit_scale[unit_offset[i] + u] = static_cast<float>(scale * c);
+        }
+      }
+    }
+    if (result) {
+      result->skipped = skip ? 1 : 0;
+      result->grad_norm = grad_norm;
+      result->clip_coef = o.clip == kGaClipGlobalNorm ? coef : (grad_norm >= 0 ? 1.0 : -1.0);
+    }
+    if (skip) {
+      if (o.reset)
+        for (int64_t i = 0; i < t.accumulators.size; ++i) cpu_kernels().zero(t.accumulators.tensors[i]);
+      return;
+    }
+    static thread_local std::vector<Chunk> chunks;
+    make_chunks(t.accumulators, chunks);
+    ApplyArgs a{&t,
+                &o,
+                static_cast<float>(scale * coef),
+                agc ? unit_scale.data() : nullptr,
+                agc ? unit_offset.data() : nullptr,
+                chunks.data(),
+                static_cast<int64_t>(chunks.size())};
+    if (!chunks.empty()) cpu_kernels().apply(a);
+  });
+}
+
+}  // namespace detail
+}  // namespace ga
+
+extern "C" ga_status ga_apply(const ga_apply_tensors* tensors, const ga_apply_options* options,
+                              ga_apply_result* result) {
+  return run_apply(tensors, options, result, "accumulators", "params");
+}

@@ -1,0 +1,208 @@
+// Error state, argument checks and CPU kernel dispatch shared by every op family.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "internal.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#ifndef GA_VERSION_STRING
+#define GA_VERSION_STRING "0.0.0"
+#endif
+
+namespace ga {
+namespace detail {
+
+namespace {
+thread_local std::string g_message;
+thread_local std::string g_argument;
+}  // namespace
+
+void set_last_error(ga_status, const std::string& argument, const std::string& message) {
+  g_argument = argument;
+  g_message = message;
+}
+
+void clear_last_error() {
+  g_argument.clear();
+  g_message.clear();
+}
+
+const char* dtype_name(ga_dtype dtype) {
+  switch (dtype) {
+    case kGaFloat32: return "float32";
+    case kGaFloat16: return "float16";
+    case kGaBFloat16: return "bfloat16";
+    case kGaFloat64: return "float64";
+  }
+  return "unknown";
+}
+
+void check_tensor(const ga_tensor& t, const std::string& name) {
+  if (ga_dtype_size(t.dtype) == 0) fail(kGaTypeError, name, name + " has an unknown dtype");
+  if (t.numel < 0) fail(kGaInvalidArgument, name, name + " has a negative element count");
+  if (t.numel > 0 && t.data == nullptr) fail(kGaInvalidArgument, name, name + " has no data");
+  if (t.device_type != kGaCPU && t.device_type != kGaCUDA)
+    fail(kGaTypeError, name, name + " is on an unknown device");
+  if (t.numel > 0 && reinterpret_cast<uintptr_t>(t.data) % ga_dtype_size(t.dtype) != 0)
+    fail(kGaInvalidArgument, name, name + " is not aligned to its element size");
+}
+
+void check_list(const ga_tensor_list& list, const std::string& name) {
+  if (list.size < 0) fail(kGaInvalidArgument, name, name + " has a negative length");
+  if (list.size > 0 && list.tensors == nullptr)
+    fail(kGaInvalidArgument, name, name + " is a null list");
+  for (int64_t i = 0; i < list.size; ++i) check_tensor(list.tensors[i], item(name, i));
+}
+
+void check_same_sizes(const ga_tensor_list& a, const std::string& a_name, const ga_tensor_list& b,
+                      const std::string& b_name) {
+  if (a.size != b.size) {
+    fail(kGaInvalidArgument, b_name,
+         b_name + " has " + std::to_string(b.size) + " tensors but " + a_name + " has " +
+             std::to_string(a.size));
+  }
+  for (int64_t i = 0; i < a.size; ++i) {
+    if (a.tensors[i].numel != b.tensors[i].numel) {
+      fail(kGaInvalidArgument, item(b_name, i),
+           item(b_name, i) + " has " + std::to_string(b.tensors[i].numel) + " elements but " +
+               item(a_name, i) + " has " + std::to_string(a.tensors[i].numel));
+    }
+  }
+}
+
+void check_dtype_in(const ga_tensor& t, const std::string& name,
+                    std::initializer_list<ga_dtype> allowed) {
+  if (std::find(allowed.begin(), allowed.end(), t.dtype) != allowed.end()) return;
+  std::string list;
+  for (ga_dtype d : allowed) list += std::string(list.empty() ? "" : ", ") + dtype_name(d);
+  fail(kGaTypeError, name,
+       name + " has dtype " + dtype_name(t.dtype) + "; expected one of: " + list);
+}
+
+void check_list_dtype_in(const ga_tensor_list& l, const std::string& name,
+                         std::initializer_list<ga_dtype> allowed) {
+  for (int64_t i = 0; i < l.size; ++i) check_dtype_in(l.tensors[i], item(name, i), allowed);
+}
+
+void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists) {
+  for (const auto& [list, name] : lists) {
+    for (int64_t i = 0; i < list->size; ++i) {
+      if (list->tensors[i].device_type != kGaCPU) {
+        fail(ga_has_cuda() ? kGaTypeError : kGaUnsupported, item(name, i),
+             item(name, i) +
+                 (ga_has_cuda() ? " is on a CUDA device; every tensor of one call must be on "
+                                  "the same device"
+                                : " is on a CUDA device, but this build of gradient-accumulator "
+                                  "has no CUDA kernels (rebuild with -DGA_CUDA=ON)"));
+      }
+    }
+  }
+}
+
+void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name) {
+  if (t.numel == 0) return;
+  const uintptr_t b = reinterpret_cast<uintptr_t>(t.data);
+  out.push_back(Range{b, b + static_cast<uintptr_t>(t.numel) * ga_dtype_size(t.dtype), name});
+}
+
+void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const std::string& name) {
+  for (int64_t i = 0; i < list.size; ++i) add_range(out, list.tensors[i], item(name, i));
+}
+
+void check_disjoint(std::vector<Range> written, const std::vector<Range>& read) {
+  // Sort all ranges by start; an overlap with a written range is an error.
+  struct Tagged {
+    const Range* r;
+    bool w;
+  };
+  std::vector<Tagged> all;
+  all.reserve(written.size() + read.size());
+  for (const Range& r : written) all.push_back({&r, true});
+  for (const Range& r : read) all.push_back({&r, false});
+  std::sort(all.begin(), all.end(), [](const Tagged& a, const Tagged& b) {
+    return a.r->begin < b.r->begin || (a.r->begin == b.r->begin && a.w > b.w);
+  });
+  // Sweep: keep the written range reaching furthest and the any-range reaching furthest.
+  const Range* far_w = nullptr;
+  const Range* far_any = nullptr;
+  for (const Tagged& t : all) {
+    if (t.w && far_any && far_any->end > t.r->begin) {
+      fail(kGaInvalidArgument, t.r->name,
+           t.r->name + " overlaps " + far_any->name + " in memory (the buffers must not alias)");
+    }
+    if (!t.w && far_w && far_w->end > t.r->begin) {
+      fail(kGaInvalidArgument, far_w->name,
+           far_w->name + " overlaps " + t.r->name + " in memory (the buffers must not alias)");
+    }
+    if (t.w && (!far_w || t.r->end > far_w->end)) far_w = t.r;
+    if (!far_any || t.r->end > far_any->end) far_any = t.r;
+  }
+}
+
+void make_chunks(const ga_tensor_list& list, std::vector<Chunk>& chunks) {
+  chunks.clear();
+  for (int64_t i = 0; i < list.size; ++i) {
+    const int64_t n = list.tensors[i].numel;
+    for (int64_t b = 0; b < n; b += kChunk) chunks.push_back(Chunk{i, b, std::min(n, b + kChunk)});
+  }
+}
+
+const Kernels& kernels_generic();
+#if defined(GA_HAVE_X86_KERNELS)
+const Kernels& kernels_avx2();
+const Kernels& kernels_avx512();
+#endif
+
+const Kernels& cpu_kernels() {
+  static const Kernels& chosen = []() -> const Kernels& {
+#if defined(GA_HAVE_X86_KERNELS)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+      return kernels_avx512();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kernels_avx2();
+#endif
+    return kernels_generic();
+  }();
+  return chosen;
+}
+
+}  // namespace detail
+}  // namespace ga
+
+extern "C" {
+
+const char* ga_last_error(void) { return ga::detail::g_message.c_str(); }
+const char* ga_last_error_argument(void) { return ga::detail::g_argument.c_str(); }
+
+size_t ga_dtype_size(ga_dtype dtype) {
+  switch (dtype) {
+    case kGaFloat32: return 4;
+    case kGaFloat16: return 2;
+    case kGaBFloat16: return 2;
+    case kGaFloat64: return 8;
+  }
+  return 0;
+}
+
+const char* ga_version(void) { return GA_VERSION_STRING; }
+
+const char* ga_cpu_isa(void) { return ga::detail::cpu_kernels().isa; }
+
+int ga_cpu_num_threads(void) {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+#if !defined(GA_WITH_CUDA)
+int ga_has_cuda(void) { return 0; }
+#endif
+
+}  // extern "C"

@@ -1,0 +1,159 @@
+// Private helpers of the core: error reporting, argument checks, the CPU kernel table.
+#ifndef GRADIENT_ACCUMULATOR_CORE_INTERNAL_H_
+#define GRADIENT_ACCUMULATOR_CORE_INTERNAL_H_
+
+#include <cstdint>
+#include <exception>
+#include <new>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gradient_accumulator/gradient_accumulator.h"
+
+namespace ga {
+namespace detail {
+
+/// Thrown inside the core, turned into a status at the C boundary by `guarded`.
+struct CoreError {
+  ga_status status;
+  std::string argument;
+  std::string message;
+};
+
+void set_last_error(ga_status status, const std::string& argument, const std::string& message);
+void clear_last_error();
+
+[[noreturn]] inline void fail(ga_status status, const std::string& argument,
+                              const std::string& message) {
+  throw CoreError{status, argument, message};
+}
+
+/// Run `body` and translate whatever it throws into a status; nothing escapes into C.
+template <typename F>
+ga_status guarded(F&& body) noexcept {
+  try {
+    clear_last_error();
+    body();
+    return kGaOk;
+  } catch (const CoreError& e) {
+    set_last_error(e.status, e.argument, e.message);
+    return e.status;
+  } catch (const std::bad_alloc&) {
+    set_last_error(kGaRuntimeError, "", "out of host memory");
+    return kGaRuntimeError;
+  } catch (const std::exception& e) {
+    set_last_error(kGaRuntimeError, "", e.what());
+    return kGaRuntimeError;
+  } catch (...) {
+    set_last_error(kGaRuntimeError, "", "unknown error in the gradient-accumulator core");
+    return kGaRuntimeError;
+  }
+}
+
+const char* dtype_name(ga_dtype dtype);
+
+inline std::string item(const std::string& list, int64_t i) {
+  std::ostringstream s;
+  s << list << "[" << i << "]";
+  return s.str();
+}
+
+/// Checks a descriptor: known dtype, non-negative numel, data present, device allowed.
+void check_tensor(const ga_tensor& t, const std::string& name);
+void check_list(const ga_tensor_list& list, const std::string& name);
+void check_same_sizes(const ga_tensor_list& a, const std::string& a_name, const ga_tensor_list& b,
+                      const std::string& b_name);
+void check_dtype_in(const ga_tensor& t, const std::string& name,
+                    std::initializer_list<ga_dtype> allowed);
+void check_list_dtype_in(const ga_tensor_list& l, const std::string& name,
+                         std::initializer_list<ga_dtype> allowed);
+/// All tensors of the core's CPU kernels must be on the CPU (CUDA ones go to the CUDA build).
+void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists);
+
+/// A named byte range, for overlap checks.
+struct Range {
+  uintptr_t begin, end;
+  std::string name;
+};
+void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const std::string& name);
+void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name);
+/// Fails with kGaInvalidArgument naming both tensors if any two written ranges overlap, or a
+/// written range overlaps a read range (pairs listed in `allowed_same` may coincide exactly).
+void check_disjoint(std::vector<Range> written, const std::vector<Range>& read);
+
+// ---- CPU kernels, compiled once per instruction set and chosen at run time ----
+
+/// One contiguous piece of work: elements [begin, end) of tensor `tensor`.
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+constexpr int64_t kChunk = 16384;
+/// Split every tensor of a list into chunks of at most kChunk elements (fixed: results that
+/// are reduced over chunks do not depend on the thread count).
+void make_chunks(const ga_tensor_list& list, std::vector<Chunk>& chunks);
+
+struct AccumulateArgs {
+  const ga_tensor* acc;
+  const ga_tensor* grads;
+  float alpha;  // acc ← alpha·acc + beta·g (alpha ignored on overwrite)
+  float beta;
+  bool overwrite;
+  bool want_sumsq;
+  const Chunk* chunks;
+  int64_t num_chunks;
+  uint8_t* chunk_nonfinite;  // per chunk
+  double* chunk_sumsq;       // per chunk (when want_sumsq)
+};
+
+struct SumsqArgs {
+  const ga_tensor* tensors;
+  const Chunk* chunks;
+  int64_t num_chunks;
+  double* chunk_sumsq;  // per chunk
+};
+
+/// Per-unit Σx² of one tensor into `out` (num_units doubles, zeroed by the kernel).
+struct UnitSumsqArgs {
+  ga_tensor tensor;
+  ga_units units;
+  double* out;
+};
+
+struct ApplyArgs {
+  const ga_apply_tensors* t;
+  const ga_apply_options* o;
+  float grad_scale;             // grad_scale · global clip coefficient
+  const float* unit_scale;      // AGC: grad_scale · coefficient of every unit of every tensor
+  const int64_t* unit_offset;   // AGC: index of tensor i's first unit in unit_scale
+  const Chunk* chunks;
+  int64_t num_chunks;
+};
+
+struct BnMomentsArgs {
+  ga_tensor x;
+  int64_t outer, channels, inner;
+  double* mean;  // channels doubles
+  double* m2;
+};
+
+struct Kernels {
+  const char* isa;
+  void (*accumulate)(const AccumulateArgs&);
+  void (*sumsq)(const SumsqArgs&);
+  void (*unit_sumsq)(const UnitSumsqArgs&);
+  void (*apply)(const ApplyArgs&);
+  void (*bn_moments)(const BnMomentsArgs&);
+  void (*copy_scaled)(const ga_tensor& src, int64_t src_off, const ga_tensor& dst,
+                      int64_t dst_off, int64_t n, double scale);
+  void (*zero)(const ga_tensor& t);
+};
+
+const Kernels& cpu_kernels();
+
+}  // namespace detail
+}  // namespace ga
+
+#endif  // GRADIENT_ACCUMULATOR_CORE_INTERNAL_H_

@@ -1,0 +1,57 @@
+// Pack a tensor list into one flat bucket (for a single collective) and unpack it back.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "internal.h"
+
+using namespace ga::detail;
+
+namespace {
+
+void check_flat(const ga_tensor_list& list, const char* list_name, const ga_tensor& flat,
+                double scale) {
+  check_list(list, list_name);
+  check_tensor(flat, "flat");
+  if (!std::isfinite(scale)) fail(kGaInvalidArgument, "scale", "scale must be finite");
+  int64_t total = 0;
+  for (int64_t i = 0; i < list.size; ++i) total += list.tensors[i].numel;
+  if (flat.numel < total)
+    fail(kGaInvalidArgument, "flat",
+         "flat has " + std::to_string(flat.numel) + " elements but the tensors need " +
+             std::to_string(total));
+  const ga_tensor_list fl{&flat, 1};
+  check_all_cpu({{&list, list_name}, {&fl, "flat"}});
+}
+
+}  // namespace
+
+extern "C" ga_status ga_pack(ga_tensor_list src, ga_tensor flat, double scale) {
+  return guarded([&] {
+    check_flat(src, "src", flat, scale);
+    std::vector<Range> w, r;
+    add_range(w, flat, "flat");
+    add_ranges(r, src, "src");
+    check_disjoint(w, r);
+    int64_t off = 0;
+    for (int64_t i = 0; i < src.size; ++i) {
+      cpu_kernels().copy_scaled(src.tensors[i], 0, flat, off, src.tensors[i].numel, scale);
+      off += src.tensors[i].numel;
+    }
+  });
+}
+
+extern "C" ga_status ga_unpack(ga_tensor flat, ga_tensor_list dst, double scale) {
+  return guarded([&] {
+    check_flat(dst, "dst", flat, scale);
+    std::vector<Range> w, r;
+    add_ranges(w, dst, "dst");
+    add_range(r, flat, "flat");
+    check_disjoint(w, r);
+    int64_t off = 0;
+    for (int64_t i = 0; i < dst.size; ++i) {
+      cpu_kernels().copy_scaled(flat, off, dst.tensors[i], 0, dst.tensors[i].numel, scale);
+      off += dst.tensors[i].numel;
+    }
+  });
+}

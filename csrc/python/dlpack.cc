@@ -1,0 +1,175 @@
+// DLPack import (framework tensors → descriptors) and export (arena views → capsules).
+#include "dlpack.h"
+
+#include <stdexcept>
+
+namespace ga {
+namespace python {
+
+namespace {
+
+ga_dtype to_ga_dtype(const DLDataType& t, const std::string& name) {
+  if (t.lanes == 1) {
+    if (t.code == 2 && t.bits == 32) return kGaFloat32;
+    if (t.code == 2 && t.bits == 16) return kGaFloat16;
+    if (t.code == 2 && t.bits == 64) return kGaFloat64;
+    if (t.code == 4 && t.bits == 16) return kGaBFloat16;
+  }
+  throw py::type_error(name + " has an unsupported dtype (DLPack code " + std::to_string(t.code) +
+                       ", " + std::to_string(t.bits) +
+                       " bits); expected float32, float16, bfloat16 or float64");
+}
+
+TensorRef from_dltensor(const DLTensor& t, const std::string& name, bool read_only, bool writable,
+                        py::object keep) {
+  TensorRef ref;
+  ref.keep_alive = std::move(keep);
+  ref.desc.dtype = to_ga_dtype(t.dtype, name);
+  switch (t.device.device_type) {
+    case 1:
+    case 3: ref.desc.device_type = kGaCPU; break;
+    case 2:
+    case 13: ref.desc.device_type = kGaCUDA; break;
+    default:
+      throw py::type_error(name + " lives on an unsupported device (DLPack device type " +
+                           std::to_string(t.device.device_type) + "); expected CPU or CUDA");
+  }
+  ref.desc.device_id = ref.desc.device_type == kGaCPU ? 0 : t.device.device_id;
+  int64_t numel = 1;
+  ref.shape.assign(t.shape, t.shape + t.ndim);
+  for (int64_t d : ref.shape) numel *= d;
+  if (t.strides != nullptr && numel > 1) {
+    int64_t expected = 1;
+    for (int32_t d = t.ndim - 1; d >= 0; --d) {
+      if (t.shape[d] != 1 && t.strides[d] != expected)
+        throw py::value_error(name + " is not contiguous; pass a contiguous tensor");
+      expected *= t.shape[d];
+    }
+  }
+  if (writable && read_only) throw py::value_error(name + " is read-only but is written to");
+  ref.desc.numel = numel;
+  ref.desc.data = static_cast<char*>(t.data) + t.byte_offset;
+  return ref;
+}
+
+}  // namespace
+
+TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) {
+  if (obj.is_none()) throw py::type_error(name + " is None; expected a tensor");
+  py::object cap_obj;
+  if (PyCapsule_CheckExact(obj.ptr())) {
+    cap_obj = py::reinterpret_borrow<py::object>(obj);
+  } else {
+    py::object src = py::reinterpret_borrow<py::object>(obj);
+    if (!py::hasattr(src, "__dlpack__"))
+      throw py::type_error(name + " of type " + std::string(py::str(py::type::of(obj).attr("__name__"))) +
+                           " does not support DLPack; pass a numpy, torch, jax or tensorflow tensor");
+    // torch refuses to export tensors that require grad; their storage is what we want.
+    if (py::hasattr(src, "requires_grad") && py::bool_(src.attr("requires_grad")))
+      src = src.attr("detach")();
+    try {
+      cap_obj = src.attr("__dlpack__")();
+    } catch (py::error_already_set& e) {
+      if (e.matches(PyExc_BufferError))
+        throw py::value_error(name + " cannot be exported through DLPack (read-only or not a plain "
+                              "array): " + std::string(e.what()));
+      throw;
+    }
+  }
+  PyObject* cap = cap_obj.ptr();
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    return from_dltensor(m->dl_tensor, name, false, writable, cap_obj);
+  }
+  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+    auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    return from_dltensor(m->dl_tensor, name, (m->flags & 1u) != 0, writable, cap_obj);
+  }
+  throw py::value_error(name + " is a DLPack capsule that was already consumed");
+}
+
+std::vector<TensorRef> import_list(py::handle seq, const std::string& name, bool writable) {
+  if (py::isinstance<py::str>(seq) || !py::isinstance<py::sequence>(seq) ||
+      py::hasattr(seq, "__dlpack__"))
+    throw py::type_error(name + " must be a list or tuple of tensors");
+  py::sequence s = py::reinterpret_borrow<py::sequence>(seq);
+  std::vector<TensorRef> out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i)
+    out.push_back(import_tensor(s[i], name + "[" + std::to_string(i) + "]", writable));
+  return out;
+}
+
+std::vector<ga_tensor> descriptors(const std::vector<TensorRef>& refs) {
+  std::vector<ga_tensor> d;
+  d.reserve(refs.size());
+  for (const TensorRef& r : refs) d.push_back(r.desc);
+  return d;
+}
+
+ArenaStorage::~ArenaStorage() { ga_arena_free(data, device_type, device_id); }
+
+namespace {
+
+struct ViewContext {
+  std::shared_ptr<ArenaStorage> storage;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+void view_deleter(DLManagedTensor* self) {
+  delete static_cast<ViewContext*>(self->manager_ctx);
+  delete self;
+}
+
+void capsule_destructor(PyObject* cap) {
+  // A consumer renames the capsule to "used_dltensor" and owns it; otherwise we free it.
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    if (m && m->deleter) m->deleter(m);
+  } else {
+    PyErr_Clear();
+  }
+}
+
+}  // namespace
+
+py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t offset,
+                        const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw py::value_error("shape has a negative dimension");
+    numel *= d;
+  }
+  if (offset < 0 || offset + numel > storage->numel)
+    throw py::value_error("the view [offset, offset + numel) lies outside the arena");
+  auto ctx = std::make_unique<ViewContext>();
+  ctx->storage = storage;
+  ctx->shape = shape;
+  ctx->strides.resize(shape.size());
+  int64_t stride = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    ctx->strides[d] = stride;
+    stride *= shape[d];
+  }
+  auto m = std::make_unique<DLManagedTensor>();
+  m->dl_tensor.data = storage->data;
+  m->dl_tensor.byte_offset = static_cast<uint64_t>(offset) * sizeof(float);
+  m->dl_tensor.device = DLDevice{storage->device_type == kGaCPU ? 1 : 2, storage->device_id};
+  m->dl_tensor.ndim = static_cast<int32_t>(shape.size());
+  m->dl_tensor.dtype = DLDataType{2, 32, 1};
+  m->dl_tensor.shape = ctx->shape.data();
+  m->dl_tensor.strides = ctx->strides.data();
+  m->manager_ctx = ctx.release();
+  m->deleter = view_deleter;
+  PyObject* cap = PyCapsule_New(m.get(), "dltensor", capsule_destructor);
+  if (cap == nullptr) {
+    view_deleter(m.release());
+    throw py::error_already_set();
+  }
+  m.release();
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
+}  // namespace python
+}  // namespace ga

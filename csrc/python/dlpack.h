@@ -1,0 +1,91 @@
+// DLPack import/export for the _C module: any framework tensor → ga_tensor descriptor, and the
+// arena's views → DLPack capsules. The structs below follow the DLPack ABI (v0.8 legacy capsule
+// "dltensor" and v1 "dltensor_versioned").
+#ifndef GRADIENT_ACCUMULATOR_PYTHON_DLPACK_H_
+#define GRADIENT_ACCUMULATOR_PYTHON_DLPACK_H_
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gradient_accumulator/gradient_accumulator.h"
+
+namespace ga {
+namespace python {
+
+namespace py = pybind11;
+
+extern "C" {
+struct DLDevice {
+  int32_t device_type;  // 1 CPU, 2 CUDA, 3 CUDA host, 13 CUDA managed
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+struct DLPackVersion {
+  uint32_t major;
+  uint32_t minor;
+};
+struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensorVersioned* self);
+  uint64_t flags;  // bit 0: read-only
+  DLTensor dl_tensor;
+};
+}
+
+/// A borrowed tensor: the descriptor plus what keeps the memory alive during the call.
+struct TensorRef {
+  ga_tensor desc;
+  std::vector<int64_t> shape;
+  py::object keep_alive;
+};
+
+/// Import `obj` (an object with __dlpack__, or a DLPack capsule). Checks dtype, device and
+/// contiguity; raises TypeError/ValueError naming `name`.
+TensorRef import_tensor(py::handle obj, const std::string& name, bool writable);
+
+/// Import a Python sequence of tensors; items are named name[i].
+std::vector<TensorRef> import_list(py::handle seq, const std::string& name, bool writable);
+
+/// Descriptors of imported tensors, in order.
+std::vector<ga_tensor> descriptors(const std::vector<TensorRef>& refs);
+
+/// Owner of an arena allocation, shared by the views exported from it.
+struct ArenaStorage {
+  void* data = nullptr;
+  int64_t numel = 0;
+  ga_device_type device_type = kGaCPU;
+  int32_t device_id = 0;
+  ~ArenaStorage();
+};
+
+/// Export elements [offset, offset + prod(shape)) of an arena as a legacy DLPack capsule.
+py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t offset,
+                        const std::vector<int64_t>& shape);
+
+}  // namespace python
+}  // namespace ga
+
+#endif  // GRADIENT_ACCUMULATOR_PYTHON_DLPACK_H_

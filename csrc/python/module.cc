@@ -1,0 +1,309 @@
+// gradient_accumulator._C: DLPack tensors → core descriptors, checks, GIL release, errors →
+// Python exceptions (ValueError / TypeError / RuntimeError, naming the argument).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dlpack.h"
+#include "gradient_accumulator/cpp.h"
+
+namespace py = pybind11;
+using ga::python::ArenaStorage;
+using ga::python::descriptors;
+using ga::python::import_list;
+using ga::python::import_tensor;
+using ga::python::TensorRef;
+
+namespace {
+
+ga_tensor_list as_list(const std::vector<ga_tensor>& v) {
+  return ga_tensor_list{v.data(), static_cast<int64_t>(v.size())};
+}
+
+/// Call the core without the GIL and turn a failure into the matching Python exception.
+template <typename F>
+void call_core(F&& f) {
+  ga_status status;
+  std::string message, argument;
+  {
+    py::gil_scoped_release release;
+    status = f();
+    if (status != kGaOk) {
+      message = ga_last_error();
+      argument = ga_last_error_argument();
+    }
+  }
+  switch (status) {
+    case kGaOk: return;
+    case kGaInvalidArgument: throw py::value_error(message);
+    case kGaTypeError: throw py::type_error(message);
+    default: throw std::runtime_error(message);
+  }
+}
+
+ga_accumulate_mode parse_mode(const std::string& mode) {
+  if (mode == "sum" || mode == "mean") return kGaAccumulateSum;
+  if (mode == "running_mean") return kGaAccumulateRunningMean;
+  throw py::value_error("mode must be 'sum', 'mean' or 'running_mean', got '" + mode + "'");
+}
+
+ga_optimizer parse_optimizer(const std::string& name) {
+  if (name == "none") return kGaOptimizerNone;
+  if (name == "sgd") return kGaOptimizerSGD;
+  if (name == "adam") return kGaOptimizerAdam;
+  if (name == "adamw") return kGaOptimizerAdamW;
+  throw py::value_error("optimizer must be 'none', 'sgd', 'adam' or 'adamw', got '" + name + "'");
+}
+
+std::vector<ga_units> parse_units(const py::object& units, size_t n) {
+  std::vector<ga_units> out;
+  if (units.is_none()) return out;
+  auto seq = units.cast<std::vector<std::pair<int64_t, std::string>>>();
+  if (seq.size() != n)
+    throw py::value_error("units has " + std::to_string(seq.size()) + " entries but there are " +
+                          std::to_string(n) + " tensors");
+  for (size_t i = 0; i < seq.size(); ++i) {
+    ga_units u{seq[i].first, kGaUnitsLeading};
+    if (seq[i].second == "leading")
+      u.layout = kGaUnitsLeading;
+    else if (seq[i].second == "trailing")
+      u.layout = kGaUnitsTrailing;
+    else
+      throw py::value_error("units[" + std::to_string(i) + "] layout must be 'leading' or "
+                            "'trailing', got '" + seq[i].second + "'");
+    out.push_back(u);
+  }
+  return out;
+}
+
+py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
+                     const std::string& mode, double weight_before, bool overwrite,
+                     bool compute_sumsq) {
+  ga_accumulate_options o{parse_mode(mode), weight, weight_before, overwrite ? 1 : 0};
+  auto acc = import_list(accumulators, "accumulators", true);
+  auto g = import_list(grads, "grads", false);
+  auto ad = descriptors(acc), gd = descriptors(g);
+  ga_accumulate_result r{};
+  call_core([&] { return ga_accumulate(as_list(ad), as_list(gd), &o, compute_sumsq, &r); });
+  return py::make_tuple(r.nonfinite != 0, compute_sumsq ? py::cast(r.sumsq) : py::none());
+}
+
+double sum_of_squares(py::handle tensors) {
+  auto t = import_list(tensors, "tensors", false);
+  auto d = descriptors(t);
+  double s = 0;
+  call_core([&] { return ga_sum_of_squares(as_list(d), &s); });
+  return s;
+}
+
+void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
+                   const std::string& layout) {
+  auto t = import_tensor(tensor, "tensor", false);
+  auto n = import_tensor(norms, "norms", true);
+  auto u = parse_units(py::cast(std::vector<std::pair<int64_t, std::string>>{{num_units, layout}}), 1);
+  call_core([&] { return ga_unitwise_norm(t.desc, u[0], n.desc); });
+}
+
+void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
+                   double clip_factor, double eps) {
+  auto p = import_list(params, "params", false);
+  auto g = import_list(grads, "grads", true);
+  auto pd = descriptors(p), gd = descriptors(g);
+  auto u = parse_units(units, gd.size());
+  if (u.size() != gd.size()) throw py::value_error("units is required");
+  call_core([&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
+}
+
+py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
+               py::handle grads_out, const std::string& optimizer, double grad_scale,
+               const std::string& clip, double max_norm, py::object clip_coef,
+               double clip_factor, double agc_eps, py::object units, bool skip_nonfinite,
+               bool reset, double lr, double weight_decay, bool maximize, double momentum,
+               double dampening, bool nesterov, bool momentum_initialized, double beta1,
+               double beta2, double eps, int64_t step) {
+  ga_apply_options o{};
+  o.optimizer = parse_optimizer(optimizer);
+  o.grad_scale = grad_scale;
+  if (clip == "none")
+    o.clip = kGaClipNone;
+  else if (clip == "global_norm")
+    o.clip = kGaClipGlobalNorm;
+  else if (clip == "agc")
+    o.clip = kGaClipAgc;
+  else
+    throw py::value_error("clip must be 'none', 'global_norm' or 'agc', got '" + clip + "'");
+  o.max_norm = max_norm;
+  o.clip_factor = clip_factor;
+  o.agc_eps = agc_eps;
+  o.skip_nonfinite = skip_nonfinite;
+  o.reset = reset;
+  o.lr = lr;
+  o.weight_decay = weight_decay;
+  o.maximize = maximize;
+  o.momentum = momentum;
+  o.dampening = dampening;
+  o.nesterov = nesterov;
+  o.momentum_initialized = momentum_initialized;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.adam_eps = eps;
+  o.step = step;
+  const bool update = o.optimizer != kGaOptimizerNone;
+  auto empty = py::list();
+  auto p = import_list(params.is_none() ? empty : params, "params", update);
+  auto a = import_list(accumulators, "accumulators", true);
+  auto s1 = import_list(state1.is_none() ? empty : state1, "state1", true);
+  auto s2 = import_list(state2.is_none() ? empty : state2, "state2", true);
+  auto go = import_list(grads_out.is_none() ? empty : grads_out, "grads_out", true);
+  TensorRef coef;
+  if (!clip_coef.is_none()) {
+    coef = import_tensor(clip_coef, "clip_coef", false);
+    if (coef.desc.dtype != kGaFloat32 || coef.desc.numel != 1)
+      throw py::type_error("clip_coef must be a float32 tensor of one element");
+    if (coef.desc.device_type != kGaCPU)
+      throw py::type_error("clip_coef must be on the CPU for CPU tensors");
+    o.clip_coef = static_cast<const float*>(coef.desc.data);
+  }
+  auto pd = descriptors(p), ad = descriptors(a), s1d = descriptors(s1), s2d = descriptors(s2),
+       god = descriptors(go);
+  auto u = parse_units(units, ad.size());
+  if (o.clip == kGaClipAgc) {
+    if (u.empty() && !ad.empty()) throw py::value_error("units is required for clip='agc'");
+    o.units = u.data();
+  }
+  ga_apply_tensors t{as_list(pd), as_list(ad), as_list(s1d), as_list(s2d), as_list(god)};
+  ga_apply_result r{};
+  call_core([&] { return ga_apply(&t, &o, &r); });
+  py::dict out;
+  out["skipped"] = r.skipped != 0;
+  out["grad_norm"] = r.grad_norm >= 0 ? py::cast(r.grad_norm) : py::none();
+  out["clip_coef"] = r.clip_coef >= 0 ? py::cast(r.clip_coef) : py::none();
+  return out;
+}
+
+void bn_moments(py::handle x, int64_t outer, int64_t channels, int64_t inner, py::handle mean,
+                py::handle m2) {
+  auto xr = import_tensor(x, "x", false);
+  auto mr = import_tensor(mean, "mean", true);
+  auto qr = import_tensor(m2, "m2", true);
+  call_core([&] { return ga_bn_moments(xr.desc, outer, channels, inner, mr.desc, qr.desc); });
+}
+
+double bn_merge(double count_a, py::handle mean_a, py::handle m2_a, double count_b,
+                py::handle mean_b, py::handle m2_b) {
+  auto ma = import_tensor(mean_a, "mean_a", true);
+  auto qa = import_tensor(m2_a, "m2_a", true);
+  auto mb = import_tensor(mean_b, "mean_b", false);
+  auto qb = import_tensor(m2_b, "m2_b", false);
+  call_core([&] { return ga_bn_merge(&count_a, ma.desc, qa.desc, count_b, mb.desc, qb.desc); });
+  return count_a;
+}
+
+void bn_update_running(py::handle running_mean, py::handle running_var, py::handle mean,
+                       py::handle m2, double count, double new_weight, bool unbiased) {
+  auto rm = import_tensor(running_mean, "running_mean", true);
+  auto rv = import_tensor(running_var, "running_var", true);
+  auto m = import_tensor(mean, "mean", false);
+  auto q = import_tensor(m2, "m2", false);
+  call_core([&] {
+    return ga_bn_update_running(rm.desc, rv.desc, m.desc, q.desc, count, new_weight, unbiased);
+  });
+}
+
+void pack(py::handle src, py::handle flat, double scale) {
+  auto s = import_list(src, "src", false);
+  auto f = import_tensor(flat, "flat", true);
+  auto sd = descriptors(s);
+  call_core([&] { return ga_pack(as_list(sd), f.desc, scale); });
+}
+
+void unpack(py::handle flat, py::handle dst, double scale) {
+  auto f = import_tensor(flat, "flat", false);
+  auto d = import_list(dst, "dst", true);
+  auto dd = descriptors(d);
+  call_core([&] { return ga_unpack(f.desc, as_list(dd), scale); });
+}
+
+void zero(py::handle tensors) {
+  auto t = import_list(tensors, "tensors", true);
+  auto d = descriptors(t);
+  call_core([&] { return ga_zero(as_list(d)); });
+}
+
+py::tuple arena_plan(const std::vector<int64_t>& numels, int64_t alignment, int64_t bucket_numel,
+                     bool reverse) {
+  const size_t n = numels.size();
+  std::vector<int64_t> offsets(n), bucket_of(n), bucket_start(n + 1);
+  int64_t num_buckets = 0, total = 0;
+  ga_arena_plan_options o{alignment, bucket_numel, reverse ? 1 : 0};
+  call_core([&] {
+    return ga_arena_plan(numels.data(), static_cast<int64_t>(n), &o, offsets.data(),
+                         bucket_of.data(), bucket_start.data(), &num_buckets, &total);
+  });
+  bucket_start.resize(static_cast<size_t>(num_buckets) + 1);
+  return py::make_tuple(offsets, bucket_of, bucket_start, total);
+}
+
+/// One aligned fp32 allocation whose slices are exported through DLPack.
+class Arena {
+ public:
+  explicit Arena(int64_t numel) : storage_(std::make_shared<ArenaStorage>()) {
+    void* data = nullptr;
+    call_core([&] { return ga_arena_alloc(numel, kGaCPU, 0, &data); });
+    storage_->data = data;
+    storage_->numel = numel;
+  }
+  int64_t numel() const { return storage_->numel; }
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(storage_->data); }
+  py::capsule view(int64_t offset, const std::vector<int64_t>& shape) const {
+    return ga::python::export_view(storage_, offset, shape);
+  }
+
+ private:
+  std::shared_ptr<ArenaStorage> storage_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Compiled core of gradient-accumulator (use gradient_accumulator.core instead).";
+  m.attr("__version__") = ga_version();
+  m.def("cpu_isa", [] { return std::string(ga_cpu_isa()); });
+  m.def("num_threads", &ga_cpu_num_threads);
+  m.def("has_cuda", [] { return ga_has_cuda() != 0; });
+  m.def("accumulate", &accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("weight"),
+        py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
+        py::arg("compute_sumsq"));
+  m.def("sum_of_squares", &sum_of_squares, py::arg("tensors"));
+  m.def("unitwise_norm", &unitwise_norm, py::arg("tensor"), py::arg("norms"),
+        py::arg("num_units"), py::arg("layout"));
+  m.def("adaptive_clip", &adaptive_clip, py::arg("params"), py::arg("grads"), py::arg("units"),
+        py::arg("clip_factor"), py::arg("eps"));
+  m.def("apply", &apply, py::arg("params"), py::arg("accumulators"), py::arg("state1"),
+        py::arg("state2"), py::arg("grads_out"), py::arg("optimizer"), py::arg("grad_scale"),
+        py::arg("clip"), py::arg("max_norm"), py::arg("clip_coef"), py::arg("clip_factor"),
+        py::arg("agc_eps"), py::arg("units"), py::arg("skip_nonfinite"), py::arg("reset"),
+        py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"), py::arg("momentum"),
+        py::arg("dampening"), py::arg("nesterov"), py::arg("momentum_initialized"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"));
+  m.def("bn_moments", &bn_moments, py::arg("x"), py::arg("outer"), py::arg("channels"),
+        py::arg("inner"), py::arg("mean"), py::arg("m2"));
+  m.def("bn_merge", &bn_merge, py::arg("count_a"), py::arg("mean_a"), py::arg("m2_a"),
+        py::arg("count_b"), py::arg("mean_b"), py::arg("m2_b"));
+  m.def("bn_update_running", &bn_update_running, py::arg("running_mean"),
+        py::arg("running_var"), py::arg("mean"), py::arg("m2"), py::arg("count"),
+        py::arg("new_weight"), py::arg("unbiased"));
+  m.def("pack", &pack, py::arg("src"), py::arg("flat"), py::arg("scale"));
+  m.def("unpack", &unpack, py::arg("flat"), py::arg("dst"), py::arg("scale"));
+  m.def("zero", &zero, py::arg("tensors"));
+  m.def("arena_plan", &arena_plan, py::arg("numels"), py::arg("alignment"),
+        py::arg("bucket_numel"), py::arg("reverse"));
+  py::class_<Arena>(m, "Arena")
+      .def(py::init<int64_t>(), py::arg("numel"))
+      .def_property_readonly("numel", &Arena::numel)
+      .def_property_readonly("data_ptr", &Arena::data_ptr)
+      .def("view", &Arena::view, py::arg("offset"), py::arg("shape"));
+}

@@ -1,0 +1,83 @@
+"""Type stub of the compiled core (gradient_accumulator._C). Use gradient_accumulator.core."""
+
+from collections.abc import Sequence
+from typing import Any
+
+__version__: str
+
+def cpu_isa() -> str: ...
+def num_threads() -> int: ...
+def has_cuda() -> bool: ...
+def accumulate(
+    accumulators: Sequence[Any],
+    grads: Sequence[Any],
+    weight: float,
+    mode: str,
+    weight_before: float,
+    overwrite: bool,
+    compute_sumsq: bool,
+) -> tuple[bool, float | None]: ...
+def sum_of_squares(tensors: Sequence[Any]) -> float: ...
+def unitwise_norm(tensor: Any, norms: Any, num_units: int, layout: str) -> None: ...
+def adaptive_clip(
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    units: Sequence[tuple[int, str]],
+    clip_factor: float,
+    eps: float,
+) -> None: ...
+def apply(
+    params: Sequence[Any] | None,
+    accumulators: Sequence[Any],
+    state1: Sequence[Any] | None,
+    state2: Sequence[Any] | None,
+    grads_out: Sequence[Any] | None,
+    optimizer: str,
+    grad_scale: float,
+    clip: str,
+    max_norm: float,
+    clip_coef: Any | None,
+    clip_factor: float,
+    agc_eps: float,
+    units: Sequence[tuple[int, str]] | None,
+    skip_nonfinite: bool,
+    reset: bool,
+    lr: float,
+    weight_decay: float,
+    maximize: bool,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    momentum_initialized: bool,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+) -> dict[str, Any]: ...
+def bn_moments(x: Any, outer: int, channels: int, inner: int, mean: Any, m2: Any) -> None: ...
+def bn_merge(
+    count_a: float, mean_a: Any, m2_a: Any, count_b: float, mean_b: Any, m2_b: Any
+) -> float: ...
+def bn_update_running(
+    running_mean: Any,
+    running_var: Any,
+    mean: Any,
+    m2: Any,
+    count: float,
+    new_weight: float,
+    unbiased: bool,
+) -> None: ...
+def pack(src: Sequence[Any], flat: Any, scale: float) -> None: ...
+def unpack(flat: Any, dst: Sequence[Any], scale: float) -> None: ...
+def zero(tensors: Sequence[Any]) -> None: ...
+def arena_plan(
+    numels: Sequence[int], alignment: int, bucket_numel: int, reverse: bool
+) -> tuple[list[int], list[int], list[int], int]: ...
+
+class Arena:
+    def __init__(self, numel: int) -> None: ...
+    @property
+    def numel(self) -> int: ...
+    @property
+    def data_ptr(self) -> int: ...
+    def view(self, offset: int, shape: Sequence[int]) -> Any: ...

@@ -1,0 +1,48 @@
+"""gradient-accumulator: exact, fast gradient accumulation for Keras 3 and PyTorch.
+
+The Keras names of the original package are imported lazily, so ``import gradient_accumulator``
+needs no ML framework:
+
+    >>> from gradient_accumulator import GradientAccumulateModel  # doctest: +SKIP
+
+PyTorch users import from :mod:`gradient_accumulator.torch`; the framework-free functional core
+is :mod:`gradient_accumulator.core`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_KERAS_NAMES = {
+    "GradientAccumulateModel": "gradient_accumulator.keras",
+    "GradientAccumulateOptimizer": "gradient_accumulator.keras",
+    "AccumBatchNormalization": "gradient_accumulator.keras",
+    "adaptive_clip_grad": "gradient_accumulator.keras",
+    "unitwise_norm": "gradient_accumulator.keras",
+    "replace_batchnorm_layers": "gradient_accumulator.keras",
+}
+
+__all__ = ["__version__", "core", *_KERAS_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "core":
+        return importlib.import_module("gradient_accumulator.core")
+    module = _KERAS_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradient_accumulator' has no attribute {name!r}")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"gradient_accumulator.{name} needs Keras 3 and a backend: "
+            f"pip install 'gradient-accumulator[keras]' ({e})"
+        ) from e
+    return getattr(mod, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

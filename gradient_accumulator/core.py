@@ -1,0 +1,516 @@
+"""Functional API over the compiled core.
+
+Every function takes tensors from any framework that speaks DLPack (NumPy, PyTorch, JAX,
+TensorFlow) and works on their memory in place; nothing is copied. Tensors must be contiguous;
+lists must match in length and element counts. Bad input raises ``ValueError`` or ``TypeError``
+naming the argument, and leaves every buffer as it was.
+
+Example:
+    >>> import numpy as np
+    >>> from gradient_accumulator import core
+    >>> acc = [np.zeros(3, np.float32)]
+    >>> _ = core.accumulate(acc, [np.ones(3, np.float32)], weight=2.0, overwrite=True)
+    >>> _ = core.accumulate(acc, [np.ones(3, np.float32)], weight=2.0)
+    >>> acc[0]
+    array([4., 4., 4.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from gradient_accumulator._loader import load_core
+
+__all__ = [
+    "AccumulateResult",
+    "ApplyResult",
+    "Arena",
+    "accumulate",
+    "adaptive_clip",
+    "apply",
+    "arena_plan",
+    "bn_merge",
+    "bn_moments",
+    "bn_update_running",
+    "cpu_isa",
+    "global_norm",
+    "has_cuda",
+    "pack",
+    "sum_of_squares",
+    "unit_layout",
+    "unitwise_norm",
+    "unpack",
+    "zero",
+]
+
+Tensor = Any  # any object with __dlpack__, or a DLPack capsule
+
+_MODES = ("sum", "mean", "running_mean")
+_OPTIMIZERS = ("none", "sgd", "adam", "adamw")
+
+
+class AccumulateResult(NamedTuple):
+    """What one accumulate pass observed.
+
+    Attributes:
+        nonfinite: True if any gradient element was NaN or infinite.
+        sumsq: Σ acc² after the update when ``compute_sumsq=True``, else None.
+    """
+
+    nonfinite: bool
+    sumsq: float | None
+
+
+class ApplyResult(NamedTuple):
+    """What one fused apply did.
+
+    Attributes:
+        skipped: True if ``skip_nonfinite`` found a NaN/Inf and nothing was updated.
+        grad_norm: L2 norm of the scaled gradient before clipping, when it was computed.
+        clip_coef: global-norm clip coefficient that was used, when global clipping ran.
+    """
+
+    skipped: bool
+    grad_norm: float | None
+    clip_coef: float | None
+
+
+def _check_real(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def cpu_isa() -> str:
+    """Instruction set the CPU kernels dispatched to: ``"avx512"``, ``"avx2"`` or ``"generic"``."""
+    return load_core().cpu_isa()
+
+
+def has_cuda() -> bool:
+    """Whether this build has CUDA kernels."""
+    return bool(load_core().has_cuda())
+
+
+def accumulate(
+    accumulators: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    weight: float = 1.0,
+    mode: str = "sum",
+    weight_before: float = 0.0,
+    overwrite: bool = False,
+    compute_sumsq: bool = False,
+) -> AccumulateResult:
+    """Fold one micro-batch of gradients into the accumulators, in one pass.
+
+    ``"sum"`` and ``"mean"`` both store acc ← acc + weight·g (the mean divides by the total
+    weight at apply time); ``"running_mean"`` keeps acc equal to the weighted mean so far,
+    acc ← acc·W/(W+w) + g·w/(W+w) with W = ``weight_before``. On a cycle's first micro-step
+    pass ``overwrite=True``: acc ← weight·g, so the accumulators never need zeroing.
+
+    Args:
+        accumulators: float32 (or float64) tensors, updated in place.
+        grads: float32, bfloat16, float16 or float64 tensors with the same element counts.
+        weight: this micro-batch's weight (samples, tokens, or 1), finite and ≥ 0.
+        mode: ``"sum"``, ``"mean"`` or ``"running_mean"``.
+        weight_before: total weight already accumulated (``"running_mean"`` only).
+        overwrite: replace instead of add.
+        compute_sumsq: also return Σ acc² of the result (the norm for clipping, for free).
+
+    Returns:
+        AccumulateResult with the non-finite flag and the optional sum of squares.
+
+    Example:
+        >>> import numpy as np
+        >>> acc = [np.zeros(2, np.float32)]
+        >>> core.accumulate(acc, [np.array([1.0, np.inf], np.float32)], overwrite=True).nonfinite
+        True
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    weight = _check_real(weight, "weight")
+    weight_before = _check_real(weight_before, "weight_before")
+    nonfinite, sumsq = load_core().accumulate(
+        accumulators, grads, weight, mode, weight_before, bool(overwrite), bool(compute_sumsq)
+    )
+    return AccumulateResult(bool(nonfinite), sumsq)
+
+
+def sum_of_squares(tensors: Sequence[Tensor]) -> float:
+    """Σ x² over all elements of all tensors, in fp64 and a fixed order (deterministic)."""
+    return float(load_core().sum_of_squares(tensors))
+
+
+def global_norm(tensors: Sequence[Tensor]) -> float:
+    """L2 norm over all elements of all tensors (deterministic, one pass).
+
+    Example:
+        >>> import numpy as np
+        >>> core.global_norm([np.array([3.0], np.float32), np.array([4.0], np.float32)])
+        5.0
+    """
+    return float(np.sqrt(sum_of_squares(tensors)))
+
+
+def unit_layout(shape: Sequence[int], layout: str = "leading") -> tuple[int, str]:
+    """Number of AGC units of a tensor of ``shape`` and where they sit.
+
+    ``"leading"`` (PyTorch weights, ``(out, in, *kernel)``): rank ≤ 1 is one unit, otherwise
+    ``shape[0]`` units over the remaining axes. ``"trailing"`` (Keras weights,
+    ``(*kernel, in, out)``) follows the original package's rules: rank ≤ 1 is one unit; rank 2
+    and 3 norm over axis 0; rank 4 over axes (0, 1, 2); rank 5 over (0, 1, 2, 3); rank ≥ 6 is an
+    error.
+
+    Returns:
+        ``(num_units, layout)`` as ``apply`` and ``adaptive_clip`` take it.
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = int(np.prod(shape)) if shape else 1
+    if layout == "leading":
+        if len(shape) <= 1:
+            return 1, "leading"
+        return max(shape[0], 1), "leading"
+    if layout == "trailing":
+        rank = len(shape)
+        if rank <= 1:
+            return 1, "trailing"
+        if rank in (2, 3):
+            return max(numel // max(shape[0], 1), 1), "trailing"
+        if rank == 4:
+            return max(shape[3], 1), "trailing"
+        if rank == 5:
+            return max(shape[4], 1), "trailing"
+        raise ValueError(f"unit-wise norms support tensors of rank <= 5, got shape {shape}")
+    raise ValueError(f"layout must be 'leading' or 'trailing', got {layout!r}")
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    shape = getattr(t, "shape", None)
+    if shape is None:
+        raise TypeError(f"cannot read the shape of {type(t).__name__}")
+    return tuple(int(d) for d in shape)
+
+
+def unitwise_norm(tensor: Tensor, *, layout: str = "leading", out: Tensor | None = None) -> Any:
+    """Per-unit L2 norms of ``tensor`` (see :func:`unit_layout`).
+
+    Returns:
+        ``out`` if given (float32 or float64, one element per unit), else a new float32 NumPy
+        array.
+    """
+    num_units, lay = unit_layout(_shape(tensor), layout)
+    if out is None:
+        out = np.empty(num_units, np.float32)
+    load_core().unitwise_norm(tensor, out, num_units, lay)
+    return out
+
+
+def _units(tensors: Sequence[Tensor], layout: str | Sequence[tuple[int, str]]) -> list:
+    if isinstance(layout, str):
+        return [unit_layout(_shape(t), layout) for t in tensors]
+    return list(layout)
+
+
+def adaptive_clip(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+    layout: str | Sequence[tuple[int, str]] = "leading",
+) -> None:
+    """Adaptive gradient clipping (NFNets) of ``grads`` in place.
+
+    Per unit u: g_u ← g_u · min(1, λ·max(‖w_u‖, ε) / max(‖g_u‖, 1e-6)).
+
+    Args:
+        params: the parameters (float32, bfloat16 or float16).
+        grads: their float32 gradients, clipped in place.
+        clip_factor: λ > 0.
+        eps: ε ≥ 0, the floor of a unit's weight norm.
+        layout: ``"leading"``, ``"trailing"`` or explicit ``(num_units, layout)`` per tensor.
+    """
+    units = _units(params, layout)
+    load_core().adaptive_clip(
+        params, grads, units, _check_real(clip_factor, "clip_factor"), _check_real(eps, "eps")
+    )
+
+
+def apply(
+    params: Sequence[Tensor] | None,
+    accumulators: Sequence[Tensor],
+    *,
+    optimizer: str,
+    lr: float = 0.0,
+    grad_scale: float = 1.0,
+    state1: Sequence[Tensor] | None = None,
+    state2: Sequence[Tensor] | None = None,
+    grads_out: Sequence[Tensor] | None = None,
+    max_norm: float | None = None,
+    clip_coef: Tensor | None = None,
+    agc: bool = False,
+    clip_factor: float = 0.01,
+    agc_eps: float = 1e-3,
+    layout: str | Sequence[tuple[int, str]] = "leading",
+    skip_nonfinite: bool = False,
+    reset: bool = True,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    momentum_initialized: bool = True,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    step: int = 1,
+) -> ApplyResult:
+    """End-of-cycle update in one fused pass per tensor.
+
+    gradient = accumulator · ``grad_scale`` (pass 1/total weight, times 1/loss scale), then
+    clipping (``max_norm`` or ``clip_coef`` for the global norm, or ``agc=True``), then the
+    optimizer's update writing ``params`` and the optimizer state in place, then the
+    accumulator is zeroed (``reset``). The formulas are PyTorch's: ``"sgd"`` (momentum,
+    dampening, Nesterov, L2 weight decay), ``"adam"`` (L2 weight decay) and ``"adamw"``
+    (decoupled weight decay), amsgrad off. ``"none"`` only writes the final gradient, to
+    ``grads_out`` or in place, for optimizers the core does not implement.
+
+    Args:
+        params: parameters updated in place (float32, bfloat16, float16); None for "none"
+            without AGC.
+        accumulators: float32 accumulated gradients.
+        optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"none"``.
+        lr: learning rate.
+        grad_scale: factor applied to the accumulators before anything else.
+        state1: SGD momentum buffers / Adam first moments (param dtype or float32).
+        state2: Adam second moments.
+        grads_out: destination of the final gradient for ``"none"``.
+        max_norm: clip the global norm of the scaled gradient to this value.
+        clip_coef: a one-element float32 tensor holding a precomputed clip coefficient.
+        agc: adaptive gradient clipping with ``clip_factor``, ``agc_eps`` and ``layout``.
+        skip_nonfinite: check first; on NaN/Inf update nothing (and still reset).
+        reset: zero the accumulators in the same pass.
+        weight_decay, maximize, momentum, dampening, nesterov: as in ``torch.optim``.
+        momentum_initialized: False on SGD's first step (buffer ← gradient).
+        betas, eps: Adam's coefficients.
+        step: the optimizer step this update makes (1 for the first), for bias correction.
+
+    Returns:
+        ApplyResult.
+
+    Example:
+        >>> import numpy as np
+        >>> p, a = [np.ones(2, np.float32)], [np.full(2, 4.0, np.float32)]
+        >>> _ = core.apply(p, a, optimizer="sgd", lr=0.5, grad_scale=0.25)
+        >>> p[0], a[0]
+        (array([0.5, 0.5], dtype=float32), array([0., 0.], dtype=float32))
+    """
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
+    if max_norm is not None and agc:
+        raise ValueError("max_norm and agc are exclusive: choose one clipping rule")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError("betas must be a pair (beta1, beta2)")
+    clip = "none"
+    if max_norm is not None or clip_coef is not None:
+        clip = "global_norm"
+    elif agc:
+        clip = "agc"
+    units = _units(params, layout) if (agc and params is not None) else None
+    r = load_core().apply(
+        params,
+        accumulators,
+        state1,
+        state2,
+        grads_out,
+        optimizer,
+        _check_real(grad_scale, "grad_scale"),
+        clip,
+        _check_real(max_norm, "max_norm") if max_norm is not None else 0.0,
+        clip_coef,
+        _check_real(clip_factor, "clip_factor"),
+        _check_real(agc_eps, "agc_eps"),
+        units,
+        bool(skip_nonfinite),
+        bool(reset),
+        _check_real(lr, "lr"),
+        _check_real(weight_decay, "weight_decay"),
+        bool(maximize),
+        _check_real(momentum, "momentum"),
+        _check_real(dampening, "dampening"),
+        bool(nesterov),
+        bool(momentum_initialized),
+        _check_real(betas[0], "betas[0]"),
+        _check_real(betas[1], "betas[1]"),
+        _check_real(eps, "eps"),
+        int(step),
+    )
+    return ApplyResult(r["skipped"], r["grad_norm"], r["clip_coef"])
+
+
+def bn_moments(
+    x: Tensor, *, channels_axis: int = 1, mean: Tensor | None = None, m2: Tensor | None = None
+) -> tuple[Any, Any, int]:
+    """Per-channel mean and M2 = Σ(x − mean)² of ``x`` (fp64 arithmetic).
+
+    Args:
+        x: input of rank ≥ 2; ``channels_axis`` picks the channel axis (1 for NCHW, -1 for
+            channels-last).
+        mean, m2: optional float32/float64 outputs, one element per channel; new float64 NumPy
+            arrays otherwise.
+
+    Returns:
+        ``(mean, m2, count)`` with count the number of values per channel.
+    """
+    shape = _shape(x)
+    if len(shape) < 2:
+        raise ValueError(f"x must have rank >= 2, got shape {shape}")
+    axis = channels_axis % len(shape)
+    channels = shape[axis]
+    outer = int(np.prod(shape[:axis])) if axis else 1
+    inner = int(np.prod(shape[axis + 1 :])) if axis + 1 < len(shape) else 1
+    if mean is None:
+        mean = np.empty(channels, np.float64)
+    if m2 is None:
+        m2 = np.empty(channels, np.float64)
+    load_core().bn_moments(x, outer, channels, inner, mean, m2)
+    return mean, m2, outer * inner
+
+
+def bn_merge(
+    count_a: float, mean_a: Tensor, m2_a: Tensor, count_b: float, mean_b: Tensor, m2_b: Tensor
+) -> float:
+    """Merge (count_b, mean_b, M2_b) into (count_a, mean_a, M2_a) in place (Chan et al.).
+
+    Returns:
+        The merged count.
+    """
+    return float(
+        load_core().bn_merge(
+            _check_real(count_a, "count_a"), mean_a, m2_a, _check_real(count_b, "count_b"),
+            mean_b, m2_b,
+        )
+    )
+
+
+def bn_update_running(
+    running_mean: Tensor,
+    running_var: Tensor,
+    mean: Tensor,
+    m2: Tensor,
+    count: float,
+    *,
+    momentum: float,
+    unbiased: bool,
+) -> None:
+    """running ← (1 − momentum)·running + momentum·batch, in place.
+
+    ``momentum`` is PyTorch's (the weight of the new value); pass ``1 - momentum`` for Keras.
+    The batch variance is M2/(count − 1) when ``unbiased`` (PyTorch) else M2/count (Keras).
+    """
+    load_core().bn_update_running(
+        running_mean, running_var, mean, m2, _check_real(count, "count"),
+        _check_real(momentum, "momentum"), bool(unbiased),
+    )
+
+
+def pack(src: Sequence[Tensor], flat: Tensor, *, scale: float = 1.0) -> None:
+    """Copy ``src`` end to end into ``flat`` (times ``scale``), converting dtypes."""
+    load_core().pack(src, flat, _check_real(scale, "scale"))
+
+
+def unpack(flat: Tensor, dst: Sequence[Tensor], *, scale: float = 1.0) -> None:
+    """Inverse of :func:`pack`: slices of ``flat`` (times ``scale``) into ``dst``."""
+    load_core().unpack(flat, dst, _check_real(scale, "scale"))
+
+
+def zero(tensors: Sequence[Tensor]) -> None:
+    """Set every tensor to zero."""
+    load_core().zero(tensors)
+
+
+class ArenaPlan(NamedTuple):
+    """Layout of an accumulator arena.
+
+    Attributes:
+        offsets: element offset of each tensor (in the order given).
+        bucket_of: bucket index of each tensor.
+        bucket_start: ``num_buckets + 1`` element offsets; bucket b is
+            ``[bucket_start[b], bucket_start[b + 1])``.
+        total: arena size in elements.
+    """
+
+    offsets: list[int]
+    bucket_of: list[int]
+    bucket_start: list[int]
+    total: int
+
+
+def arena_plan(
+    numels: Sequence[int],
+    *,
+    alignment: int = 16,
+    bucket_numel: int = 25 * 2**20 // 4,
+    reverse: bool = True,
+) -> ArenaPlan:
+    """Plan one flat fp32 buffer for tensors of ``numels`` elements.
+
+    Tensors start on ``alignment``-element boundaries (16 = 64 bytes), are laid out last-first
+    when ``reverse`` (the order backward produces gradients), and are grouped into buckets of at
+    least ``bucket_numel`` elements (default 25 MiB) for one collective each.
+    """
+    offsets, bucket_of, bucket_start, total = load_core().arena_plan(
+        [int(n) for n in numels], int(alignment), int(bucket_numel), bool(reverse)
+    )
+    return ArenaPlan(list(offsets), list(bucket_of), list(bucket_start), int(total))
+
+
+class Arena:
+    """One aligned, zeroed fp32 host allocation whose slices are exported through DLPack.
+
+    The views keep the allocation alive; a framework imports them without a copy, e.g.
+    ``torch.from_dlpack(arena.view(offset, shape))`` — so the views can serve as ``.grad``.
+
+    Example:
+        >>> import numpy as np
+        >>> arena = core.Arena(32)
+        >>> v = np.from_dlpack(arena.view(16, (2, 3)))
+        >>> v.shape, v.dtype
+        ((2, 3), dtype('float32'))
+    """
+
+    def __init__(self, numel: int):
+        if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        self._arena = load_core().Arena(int(numel))
+
+    @property
+    def numel(self) -> int:
+        """Size in elements."""
+        return int(self._arena.numel)
+
+    def view(self, offset: int, shape: Sequence[int]) -> _View:
+        """A DLPack-exportable view of elements ``[offset, offset + prod(shape))``."""
+        return _View(self._arena, int(offset), tuple(int(d) for d in shape))
+
+
+class _View:
+    """DLPack producer for a slice of an :class:`Arena` (CPU)."""
+
+    def __init__(self, arena: Any, offset: int, shape: tuple[int, ...]):
+        numel = int(np.prod(shape)) if shape else 1
+        if offset < 0 or offset + numel > arena.numel:
+            raise ValueError(
+                f"view [{offset}, {offset + numel}) lies outside the arena of {arena.numel}"
+            )
+        self._arena, self._offset, self.shape = arena, offset, shape
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:
+        return self._arena.view(self._offset, list(self.shape))
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
