@@ -1,0 +1,32 @@
+"""PyTorch adapter: exact gradient accumulation for any ``torch.optim`` optimizer.
+
+Example:
+    >>> import torch
+    >>> from gradient_accumulator.torch import GradientAccumulateOptimizer
+    >>> model = torch.nn.Linear(3, 1)
+    >>> opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 4)
+"""
+
+from gradient_accumulator.torch.agc import adaptive_clip_grad, unitwise_norm
+from gradient_accumulator.torch.batchnorm import (
+    AccumBatchNorm1d,
+    AccumBatchNorm2d,
+    AccumBatchNorm3d,
+    convert_batchnorm,
+    flush_batchnorm,
+)
+from gradient_accumulator.torch.context import accumulate
+from gradient_accumulator.torch.optimizer import AccumulationState, GradientAccumulateOptimizer
+
+__all__ = [
+    "AccumBatchNorm1d",
+    "AccumBatchNorm2d",
+    "AccumBatchNorm3d",
+    "AccumulationState",
+    "GradientAccumulateOptimizer",
+    "accumulate",
+    "adaptive_clip_grad",
+    "convert_batchnorm",
+    "flush_batchnorm",
+    "unitwise_norm",
+]

@@ -1,0 +1,234 @@
+"""Accumulation-aware batch norm: running statistics updated once per cycle, from all micro-batches.
+
+Forward normalises with the micro-batch's own statistics (the layer cannot see the big batch).
+Each training forward adds the micro-batch's per-channel (count, mean, M2) to the cycle's moments
+(Chan's parallel formula, fp64, in the C++ core); the ``accum_steps``-th forward updates
+``running_mean``, ``running_var`` and ``num_batches_tracked`` once, exactly as one
+``nn.BatchNorm*d`` forward over the concatenated big batch would (unbiased running variance,
+PyTorch's momentum convention, ``momentum=None`` as a cumulative average).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradient_accumulator import core
+
+__all__ = [
+    "AccumBatchNorm1d",
+    "AccumBatchNorm2d",
+    "AccumBatchNorm3d",
+    "convert_batchnorm",
+    "flush_batchnorm",
+]
+
+_ACCUM_BUFFERS = ("accum_count", "accum_mean", "accum_m2", "accum_step")
+
+
+class _AccumBatchNormMixin:
+    """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
+
+    def _init_accum(self, accum_steps: Any) -> None:
+        if isinstance(accum_steps, bool) or not isinstance(accum_steps, int):
+            raise TypeError(f"accum_steps must be an int, got {type(accum_steps).__name__}")
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+        self.accum_steps = accum_steps
+        c = self.num_features
+        device = self.running_mean.device if self.running_mean is not None else None
+        self.register_buffer("accum_count", torch.zeros((), dtype=torch.float64, device=device))
+        self.register_buffer("accum_mean", torch.zeros(c, dtype=torch.float64, device=device))
+        self.register_buffer("accum_m2", torch.zeros(c, dtype=torch.float64, device=device))
+        self.register_buffer("accum_step", torch.zeros((), dtype=torch.long, device=device))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", accum_steps={self.accum_steps}"
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        # A plain BatchNorm's state dict has no cycle state: start a fresh cycle.
+        for name in _ACCUM_BUFFERS:
+            if prefix + name not in state_dict:
+                state_dict[prefix + name] = torch.zeros_like(getattr(self, name))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats:
+            return F.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias,
+                False, 0.0, self.eps,
+            )
+        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if self.training and self.track_running_stats:
+            self._accumulate_moments(input.detach())
+        return out
+
+    @torch.no_grad()
+    def _accumulate_moments(self, x: torch.Tensor) -> None:
+        if self.accum_mean.dtype != torch.float64:  # e.g. after model.half()
+            for name in ("accum_count", "accum_mean", "accum_m2"):
+                setattr(self, name, getattr(self, name).double())
+        count = x.numel() // x.shape[1]
+        if x.device.type == "cpu":
+            mean, m2, count = core.bn_moments(
+                x.contiguous(), channels_axis=1,
+                mean=torch.empty(self.num_features, dtype=torch.float64),
+                m2=torch.empty(self.num_features, dtype=torch.float64),
+            )
+            total = core.bn_merge(float(self.accum_count), self.accum_mean, self.accum_m2,
+                                  float(count), mean, m2)
+        else:  # devices without core kernels: the same merge with torch ops
+            dims = [d for d in range(x.dim()) if d != 1]
+            xd = x.double()
+            mean = xd.mean(dim=dims)
+            m2 = ((xd - mean.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dim=dims)
+            na, nb = float(self.accum_count), float(count)
+            total = na + nb
+            delta = mean - self.accum_mean
+            self.accum_mean += delta * (nb / total)
+            self.accum_m2 += m2 + delta * delta * (na * nb / total)
+        self.accum_count.fill_(total)
+        self.accum_step += 1
+        if int(self.accum_step) >= self.accum_steps:
+            self._update_running()
+
+    @torch.no_grad()
+    def _update_running(self) -> None:
+        """Fold the cycle's merged moments into the running statistics and start a new cycle."""
+        if int(self.accum_step) == 0:
+            return
+        self.num_batches_tracked += 1
+        if self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked)
+        else:
+            factor = float(self.momentum)
+        count = float(self.accum_count)
+        if count > 1:
+            rm, rv = self.running_mean, self.running_var
+            direct = rm.device.type == "cpu" and rm.dtype in (torch.float32, torch.float64)
+            rm32 = rm if direct else rm.double().cpu()
+            rv32 = rv if direct else rv.double().cpu()
+            core.bn_update_running(rm32, rv32, self.accum_mean.cpu(), self.accum_m2.cpu(), count,
+                                   momentum=factor, unbiased=True)
+            if not direct:
+                rm.copy_(rm32)
+                rv.copy_(rv32)
+        self.accum_count.zero_()
+        self.accum_mean.zero_()
+        self.accum_m2.zero_()
+        self.accum_step.zero_()
+
+    def flush(self) -> None:
+        """Apply a partial cycle's statistics now (end of data)."""
+        self._update_running()
+
+
+class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` whose running statistics are those of the accumulated big batch.
+
+    Takes ``nn.BatchNorm1d``'s arguments plus ``accum_steps``.
+
+    Example:
+        >>> import torch
+        >>> bn = AccumBatchNorm1d(3, accum_steps=2)
+        >>> _ = bn(torch.randn(4, 3)); _ = bn(torch.randn(4, 3))
+        >>> int(bn.num_batches_tracked)
+        1
+    """
+
+    def __init__(self, num_features: int, *args: Any, accum_steps: int = 1, **kwargs: Any):
+        super().__init__(num_features, *args, **kwargs)
+        self._init_accum(accum_steps)
+
+
+class AccumBatchNorm2d(_AccumBatchNormMixin, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` whose running statistics are those of the accumulated big batch.
+
+    Example:
+        >>> import torch
+        >>> bn = AccumBatchNorm2d(3, accum_steps=4)
+        >>> bn(torch.randn(2, 3, 5, 5)).shape
+        torch.Size([2, 3, 5, 5])
+    """
+
+    def __init__(self, num_features: int, *args: Any, accum_steps: int = 1, **kwargs: Any):
+        super().__init__(num_features, *args, **kwargs)
+        self._init_accum(accum_steps)
+
+
+class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` whose running statistics are those of the accumulated big batch.
+
+    Example:
+        >>> import torch
+        >>> bn = AccumBatchNorm3d(2, accum_steps=2)
+        >>> bn(torch.randn(2, 2, 3, 3, 3)).shape
+        torch.Size([2, 2, 3, 3, 3])
+    """
+
+    def __init__(self, num_features: int, *args: Any, accum_steps: int = 1, **kwargs: Any):
+        super().__init__(num_features, *args, **kwargs)
+        self._init_accum(accum_steps)
+
+
+_TARGETS = {
+    nn.BatchNorm1d: AccumBatchNorm1d,
+    nn.BatchNorm2d: AccumBatchNorm2d,
+    nn.BatchNorm3d: AccumBatchNorm3d,
+}
+
+
+def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its AccumBatchNorm counterpart.
+
+    Affine parameters, running statistics and ``num_batches_tracked`` are copied (no tensor
+    is shared with the old layer); ``requires_grad`` and the training mode are kept.
+
+    Returns:
+        The converted module (``module`` itself, changed in place, unless it is a BatchNorm).
+
+    Example:
+        >>> from torch import nn
+        >>> m = convert_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 4)
+        >>> type(m[1]).__name__, m[1].accum_steps
+        ('AccumBatchNorm2d', 4)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}")
+    target = _TARGETS.get(type(module))
+    if target is not None:
+        new = target(
+            module.num_features, eps=module.eps, momentum=module.momentum, affine=module.affine,
+            track_running_stats=module.track_running_stats, accum_steps=accum_steps,
+        ).to(device=next(iter(module.state_dict().values()), torch.empty(0)).device)
+        with torch.no_grad():
+            if module.affine:
+                new.weight.copy_(module.weight)
+                new.bias.copy_(module.bias)
+                new.weight.requires_grad_(module.weight.requires_grad)
+                new.bias.requires_grad_(module.bias.requires_grad)
+            if module.track_running_stats:
+                new.running_mean.copy_(module.running_mean)
+                new.running_var.copy_(module.running_var)
+                new.num_batches_tracked.copy_(module.num_batches_tracked)
+        if module.affine:
+            new = new.to(dtype=module.weight.dtype)
+        new.train(module.training)
+        return new
+    for name, child in module.named_children():
+        setattr(module, name, convert_batchnorm(child, accum_steps))
+    return module
+
+
+def flush_batchnorm(module: nn.Module) -> None:
+    """Apply the partial cycle of every AccumBatchNorm in ``module`` (end of data)."""
+    for m in module.modules():
+        if isinstance(m, _AccumBatchNormMixin):
+            m.flush()

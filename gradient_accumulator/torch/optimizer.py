@@ -1,0 +1,594 @@
+"""GradientAccumulateOptimizer: any torch optimizer stepping once per k micro-batches, exactly."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from gradient_accumulator import core
+
+__all__ = ["AccumulationState", "GradientAccumulateOptimizer"]
+
+_REDUCTIONS = ("mean", "sum", "running_mean")
+_LEFTOVERS = ("apply", "carry")
+
+
+class AccumulationState(NamedTuple):
+    """Where the wrapper stands inside a cycle (also saved in ``state_dict()``).
+
+    Attributes:
+        micro_step: micro-batches accumulated in the current cycle (0 ≤ micro_step < accum_steps).
+        total_weight: sum of the weights of those micro-batches.
+        nonfinite: True if any of them had a NaN/Inf gradient.
+        updates: optimizer updates made so far (skipped non-finite cycles not counted).
+    """
+
+    micro_step: int
+    total_weight: float
+    nonfinite: bool
+    updates: int
+
+
+def _check_accum_steps(accum_steps: Any) -> int:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int):
+        raise TypeError(f"accum_steps must be an int, got {type(accum_steps).__name__}")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+    return accum_steps
+
+
+def _float(v: Any) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+class GradientAccumulateOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim.Optimizer`` so that it steps once every ``accum_steps`` micro-batches.
+
+    Keep the usual loop — ``loss.backward(); opt.step(); opt.zero_grad()`` on every micro-batch.
+    Each ``step()`` folds the fresh ``.grad`` of every parameter into an fp32 accumulator (one
+    pass of the C++ core, whatever the gradient's dtype) and frees it; the ``accum_steps``-th call
+    applies the update. For ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (amsgrad off) the update
+    is the core's fused pass — average, unscale, clip or AGC, optimizer step — writing the inner
+    optimizer's own state tensors, so ``optimizer.state_dict()`` stays interchangeable with the
+    plain optimizer. Any other optimizer gets the final gradient in ``.grad`` and its own
+    ``step()``. The inner optimizer's step count, bias correction and learning rate therefore
+    count real updates.
+
+    Micro-batches may carry a weight (samples or tokens): with ``reduction="mean"`` the update
+    uses the exact weighted mean ``Σ wᵢ gᵢ / Σ wᵢ``, so uneven micro-batches match the big batch
+    when each loss is a mean over its own micro-batch and ``weight`` is its size.
+
+    Args:
+        optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
+        accum_steps: micro-batches per update, an int ≥ 1.
+        reduction: ``"mean"`` (divide by the total weight), ``"sum"`` (no division) or
+            ``"running_mean"`` (the accumulator always holds the mean so far).
+        max_grad_norm: clip the global L2 norm of the averaged gradient to this value.
+        use_agc: adaptive gradient clipping of the averaged gradient (NFNets).
+        clip_factor: AGC's λ.
+        eps: AGC's ε (floor of a unit's weight norm).
+        agc_exclude: parameters (or modules, whose parameters are taken) left unclipped by AGC.
+            ``"final"`` (default) excludes the last parameter of rank ≥ 2 and the rank ≤ 1
+            parameters that follow it — the final classifier when parameters are in
+            registration order, as in the NFNets paper. ``()`` clips everything.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scale the losses were multiplied by
+            (``scaler.scale(loss).backward()``; then call ``opt.step()``, not
+            ``scaler.step(opt)``). Gradients are accumulated scaled and unscaled once at the
+            boundary; a cycle with a non-finite gradient skips the update, resets the
+            accumulators and lowers the scale. The wrapper calls ``scaler.update()``.
+        leftover: what :meth:`flush` does with a cycle cut short by the end of the data:
+            ``"apply"`` it with its true weight (default) or ``"carry"`` it into the next cycle.
+
+    Example:
+        >>> import torch
+        >>> from gradient_accumulator.torch import GradientAccumulateOptimizer
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters()), 4)
+        >>> for _ in range(8):
+        ...     model(torch.randn(8, 4)).square().mean().backward()
+        ...     opt.step()
+        ...     opt.zero_grad()
+        >>> opt.optimizer.state[model.weight]["step"].item()
+        2.0
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accum_steps: int,
+        reduction: str = "mean",
+        *,
+        max_grad_norm: float | None = None,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        agc_exclude: str | Iterable[Any] = "final",
+        grad_scaler: Any = None,
+        leftover: str = "apply",
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            raise TypeError("optimizer is already a GradientAccumulateOptimizer")
+        self.accum_steps = _check_accum_steps(accum_steps)
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if leftover not in _LEFTOVERS:
+            raise ValueError(f"leftover must be one of {_LEFTOVERS}, got {leftover!r}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise TypeError("max_grad_norm must be a number or None")
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
+        if use_agc and max_grad_norm is not None:
+            raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
+        if use_agc:
+            if not (isinstance(clip_factor, (int, float)) and clip_factor > 0):
+                raise ValueError(f"clip_factor must be > 0, got {clip_factor!r}")
+            if not (isinstance(eps, (int, float)) and eps >= 0):
+                raise ValueError(f"eps must be >= 0, got {eps!r}")
+        if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
+            raise TypeError("grad_scaler must be a torch.amp.GradScaler")
+
+        self.optimizer = optimizer
+        self.reduction = reduction
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.use_agc = bool(use_agc)
+        self.clip_factor = float(clip_factor)
+        self.eps = float(eps)
+        self.grad_scaler = grad_scaler
+        self.leftover = leftover
+        # Share the inner optimizer's groups and state: LR schedulers and state_dict() act on it.
+        # (torch.optim.Optimizer.__init__ is not called: it would rebuild the groups.)
+        for name in (
+            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+
+        self._params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self._params:
+            raise ValueError("optimizer has no parameters")
+        ids = {id(p) for p in self._params}
+        if len(ids) != len(self._params):
+            raise ValueError("a parameter appears twice in the optimizer's param_groups")
+        for i, p in enumerate(self._params):
+            if p.device.type != "cpu" and not core.has_cuda():
+                raise TypeError(
+                    f"parameter {i} is on {p.device}, but this build of gradient-accumulator "
+                    "has no CUDA kernels (rebuild with GA_CUDA=ON)"
+                )
+            if not p.is_floating_point() or p.dtype not in (
+                torch.float32, torch.bfloat16, torch.float16
+            ):
+                raise TypeError(f"parameter {i} has dtype {p.dtype}; expected float32/bf16/fp16")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._agc_skip = self._resolve_exclude(agc_exclude) if self.use_agc else set()
+        self._fused_kind = self._fused_optimizer_kind()
+
+        # One flat fp32 buffer per device for all accumulators, laid out in backward order.
+        plan = core.arena_plan([p.numel() for p in self._params])
+        self._flat = torch.zeros(plan.total, dtype=torch.float32, device=self._params[0].device)
+        self._accs = [
+            self._flat[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, self._params)
+        ]
+        self._buckets = plan.bucket_start
+        self._seen = [False] * len(self._params)  # parameter received a gradient this cycle
+        self._micro_step = 0
+        self._total_weight = 0.0
+        self._nonfinite = False
+        self._sumsq: float | None = None
+        self._updates = 0
+        self.update_applied = False
+        self.last_grad_norm: float | None = None
+
+    # ---- configuration helpers ----
+
+    def _resolve_exclude(self, exclude: str | Iterable[Any]) -> set[int]:
+        if isinstance(exclude, str):
+            if exclude != "final":
+                raise ValueError(f"agc_exclude must be 'final' or an iterable, got {exclude!r}")
+            last = max((i for i, p in enumerate(self._params) if p.dim() >= 2), default=None)
+            if last is None:
+                return set()
+            return {last} | {i for i in range(last + 1, len(self._params))
+                             if self._params[i].dim() <= 1}
+        skip: set[int] = set()
+        for item in exclude:
+            tensors = list(item.parameters()) if isinstance(item, torch.nn.Module) else [item]
+            for t in tensors:
+                if id(t) not in self._index:
+                    raise ValueError("agc_exclude names a parameter the optimizer does not hold")
+                skip.add(self._index[id(t)])
+        return skip
+
+    def _fused_optimizer_kind(self) -> str | None:
+        opt = self.optimizer
+        if type(opt) is torch.optim.SGD:
+            ok = all(not g.get("differentiable", False) for g in opt.param_groups)
+            return "sgd" if ok else None
+        if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+            for g in opt.param_groups:
+                if g.get("amsgrad") or g.get("capturable") or g.get("differentiable"):
+                    return None
+                if isinstance(g["betas"][0], torch.Tensor) or isinstance(
+                    g["betas"][1], torch.Tensor
+                ):
+                    return None
+            return "adam"
+        return None
+
+    @property
+    def uses_fused_apply(self) -> bool:
+        """True when the update is the core's fused pass (SGD, Adam, AdamW)."""
+        return self._fused_kind is not None
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches accumulated in the current cycle."""
+        return self._micro_step
+
+    @property
+    def accumulation_state(self) -> AccumulationState:
+        """The cycle's position, total weight and non-finite flag."""
+        return AccumulationState(
+            self._micro_step, self._total_weight, self._nonfinite, self._updates
+        )
+
+    def is_boundary_next(self) -> bool:
+        """True if the next ``step()`` call ends a cycle (and applies an update)."""
+        return self._micro_step + 1 >= self.accum_steps
+
+    def accumulators(self) -> list[torch.Tensor]:
+        """The fp32 accumulators, one per parameter (views of one flat buffer)."""
+        return list(self._accs)
+
+    # ---- the loop ----
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``)."""
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, weight: float = 1.0) -> Any:
+        """Accumulate this micro-batch's gradients; apply the update at the cycle's end.
+
+        Args:
+            closure: re-evaluates the loss (called once, before accumulating), as in torch.
+            weight: this micro-batch's weight, finite and ≥ 0 (its sample or token count when
+                losses are per-micro-batch means).
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise TypeError(f"weight must be a number, got {type(weight).__name__}")
+        weight = float(weight)
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and >= 0, got {weight}")
+        self._accumulate(weight)
+        self.update_applied = False
+        if self._micro_step >= self.accum_steps:
+            self._apply()
+        return loss
+
+    def _accumulate(self, weight: float) -> None:
+        first = self._micro_step == 0
+        boundary = self._micro_step + 1 >= self.accum_steps
+        fresh_a, fresh_g, add_a, add_g = [], [], [], []
+        touched = []
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise TypeError(f"parameter {i} has a sparse gradient, which is not supported")
+            if g.shape != p.shape:
+                raise ValueError(f"parameter {i}'s .grad has shape {tuple(g.shape)}, not "
+                                 f"{tuple(p.shape)}")
+            g = g.detach()
+            if not g.is_contiguous():
+                g = g.contiguous()
+            touched.append(i)
+            if self._seen[i] and not first:
+                add_a.append(self._accs[i])
+                add_g.append(g)
+            else:
+                fresh_a.append(self._accs[i])
+                fresh_g.append(g)
+        mode = "running_mean" if self.reduction == "running_mean" else "sum"
+        want_norm = boundary and self.max_grad_norm is not None and self.reduction != "running_mean"
+        # Validate everything before writing: both calls below check their lists first, and the
+        # second cannot fail on input the first accepted (same checks, disjoint tensors).
+        nonfinite = False
+        sumsq = 0.0
+        for accs, grads, overwrite in ((fresh_a, fresh_g, True), (add_a, add_g, False)):
+            if not accs:
+                continue
+            r = core.accumulate(
+                accs, grads, weight=weight, mode=mode, weight_before=self._total_weight,
+                overwrite=overwrite, compute_sumsq=want_norm,
+            )
+            nonfinite |= r.nonfinite
+            if want_norm:
+                sumsq += r.sumsq
+        if first:
+            # Parameters without a gradient in the cycle's first micro-batch start from zero.
+            missing = [self._accs[i] for i, p in enumerate(self._params) if p.grad is None]
+            if missing:
+                core.zero(missing)
+            self._seen = [p.grad is not None for p in self._params]
+        else:
+            for i, p in enumerate(self._params):
+                if p.grad is not None:
+                    self._seen[i] = True
+        # The gradient now lives in the accumulator; free it (as zero_grad would).
+        for p in self._params:
+            p.grad = None
+        self._nonfinite |= nonfinite
+        self._total_weight += weight
+        self._micro_step += 1
+        if want_norm:
+            # Accumulators that this micro-batch did not touch still count towards the norm.
+            now = set(touched)
+            stale = [self._accs[i] for i, s in enumerate(self._seen) if s and i not in now]
+            self._sumsq = sumsq + (core.sum_of_squares(stale) if stale else 0.0)
+        else:
+            self._sumsq = None
+
+    def flush(self) -> bool:
+        """End of data: apply a partial cycle with its true weight (``leftover="apply"``).
+
+        With ``leftover="carry"`` the partial cycle is kept and continues with the next data.
+
+        Returns:
+            True if an update was applied.
+        """
+        self.update_applied = False
+        if self._micro_step == 0 or self.leftover == "carry":
+            return False
+        self._sumsq = None
+        return self._apply()
+
+    def _grad_scale(self) -> float:
+        if self.reduction == "mean":
+            if self._total_weight <= 0:
+                return 0.0
+            scale = 1.0 / self._total_weight
+        else:
+            scale = 1.0
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            scale /= float(self.grad_scaler.get_scale())
+        return scale
+
+    def _reset_cycle(self) -> None:
+        self._micro_step = 0
+        self._total_weight = 0.0
+        self._nonfinite = False
+        self._sumsq = None
+        self._seen = [False] * len(self._params)
+
+    def _update_scaler(self, found_inf: bool) -> None:
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        scale = float(scaler.get_scale())
+        tracker = getattr(self, "_growth_tracker", 0)
+        if found_inf:
+            new_scale, tracker = scale * scaler.get_backoff_factor(), 0
+        else:
+            tracker += 1
+            new_scale = scale
+            if tracker >= scaler.get_growth_interval():
+                new_scale, tracker = scale * scaler.get_growth_factor(), 0
+        self._growth_tracker = tracker
+        scaler.update(new_scale)
+
+    def _apply(self) -> bool:
+        idx = [i for i in range(len(self._params)) if self._seen[i]]
+        if self._nonfinite:
+            # Skip the whole cycle: nothing half-applied, accumulators start over.
+            self._update_scaler(True)
+            self._reset_cycle()
+            self.last_grad_norm = float("nan")
+            return False
+        scale = self._grad_scale()
+        if self.max_grad_norm is not None:
+            sumsq = self._sumsq
+            if sumsq is None:
+                sumsq = core.sum_of_squares([self._accs[i] for i in idx]) if idx else 0.0
+            norm = math.sqrt(sumsq) * abs(scale)
+            self.last_grad_norm = norm
+            scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
+        if self._fused_kind is not None:
+            self._fused_apply(idx, scale)
+        else:
+            self._fallback_apply(idx, scale)
+        self._updates += 1
+        self._update_scaler(False)
+        self._reset_cycle()
+        self.update_applied = True
+        return True
+
+    def _agc_kwargs(self, ids: Sequence[int]) -> list[tuple[list[int], bool]]:
+        """Split indices into (AGC-clipped, excluded) runs."""
+        if not self.use_agc:
+            return [(list(ids), False)]
+        clipped = [i for i in ids if i not in self._agc_skip]
+        excluded = [i for i in ids if i in self._agc_skip]
+        return [(clipped, True), (excluded, False)]
+
+    def _fused_apply(self, idx: list[int], scale: float) -> None:
+        chosen = set(idx)
+        for group in self.optimizer.param_groups:
+            gidx = [self._index[id(p)] for p in group["params"] if self._index[id(p)] in chosen]
+            if not gidx:
+                continue
+            if self._fused_kind == "sgd":
+                self._apply_sgd(group, gidx, scale)
+            else:
+                self._apply_adam(group, gidx, scale)
+
+    def _apply_sgd(self, group: dict, gidx: list[int], scale: float) -> None:
+        momentum = _float(group["momentum"])
+        for ids, agc in self._agc_kwargs(gidx):
+            # Parameters on their first momentum step (no buffer yet) go in a call of their own.
+            has_buf = [self.optimizer.state[self._params[i]].get("momentum_buffer") is not None
+                       for i in ids]
+            runs = [ids] if momentum == 0 else [
+                [i for i, h in zip(ids, has_buf) if h], [i for i, h in zip(ids, has_buf) if not h]
+            ]
+            for run in runs:
+                if run:
+                    self._apply_sgd_run(group, run, scale, agc)
+
+    def _apply_sgd_run(self, group: dict, ids: list[int], scale: float, agc: bool) -> None:
+        params = [self._params[i] for i in ids]
+        momentum = _float(group["momentum"])
+        bufs, initialized = None, True
+        if momentum != 0:
+            states = [self.optimizer.state[p] for p in params]
+            initialized = states[0].get("momentum_buffer") is not None
+            if not initialized:
+                for s, p in zip(states, params):
+                    s["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs = [s["momentum_buffer"] for s in states]
+        core.apply(
+            [p.detach() for p in params], [self._accs[i] for i in ids], optimizer="sgd",
+            lr=_float(group["lr"]), grad_scale=scale, state1=bufs, agc=agc,
+            clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
+            weight_decay=_float(group["weight_decay"]), maximize=bool(group.get("maximize")),
+            momentum=momentum, dampening=_float(group["dampening"]),
+            nesterov=bool(group["nesterov"]), momentum_initialized=initialized,
+        )
+
+    def _apply_adam(self, group: dict, gidx: list[int], scale: float) -> None:
+        decoupled = bool(group.get("decoupled_weight_decay",
+                                   isinstance(self.optimizer, torch.optim.AdamW)))
+        # Group parameters by their step count (parameters that joined later have fewer steps).
+        by_step: dict[float, list[int]] = {}
+        for i in gidx:
+            p = self._params[i]
+            st = self.optimizer.state[p]
+            if len(st) == 0:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            by_step.setdefault(_float(st["step"]), []).append(i)
+        beta1, beta2 = (_float(b) for b in group["betas"])
+        for step, sidx in by_step.items():
+            for ids, agc in self._agc_kwargs(sidx):
+                if not ids:
+                    continue
+                params = [self._params[i] for i in ids]
+                states = [self.optimizer.state[p] for p in params]
+                core.apply(
+                    [p.detach() for p in params], [self._accs[i] for i in ids],
+                    optimizer="adamw" if decoupled else "adam", lr=_float(group["lr"]),
+                    grad_scale=scale, state1=[s["exp_avg"] for s in states],
+                    state2=[s["exp_avg_sq"] for s in states], agc=agc,
+                    clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
+                    weight_decay=_float(group["weight_decay"]),
+                    maximize=bool(group.get("maximize")), betas=(beta1, beta2),
+                    eps=_float(group["eps"]), step=int(step) + 1,
+                )
+                for s in states:
+                    s["step"] += 1
+
+    def _fallback_apply(self, idx: list[int], scale: float) -> None:
+        chosen = set(idx)
+        for i, p in enumerate(self._params):
+            p.grad = torch.empty_like(p) if i in chosen else None
+        for ids, agc in self._agc_kwargs(idx):
+            if not ids:
+                continue
+            core.apply(
+                [self._params[i].detach() for i in ids] if agc else None,
+                [self._accs[i] for i in ids], optimizer="none", grad_scale=scale,
+                grads_out=[self._params[i].grad for i in ids], agc=agc,
+                clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
+            )
+        self.optimizer.step()
+        for p in self._params:
+            p.grad = None
+
+    # ---- state ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus the accumulators and the cycle's position."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "accumulation": {
+                "accum_steps": self.accum_steps,
+                "reduction": self.reduction,
+                "micro_step": self._micro_step,
+                "total_weight": self._total_weight,
+                "nonfinite": self._nonfinite,
+                "updates": self._updates,
+                "seen": list(self._seen),
+                "growth_tracker": getattr(self, "_growth_tracker", 0),
+                "accumulators": self._flat.clone(),
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (mid-cycle included)."""
+        if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
+            raise ValueError("state_dict was not produced by GradientAccumulateOptimizer")
+        acc = state_dict.get("accumulation", {})
+        flat = acc.get("accumulators")
+        if flat is None or flat.numel() != self._flat.numel():
+            raise ValueError("state_dict's accumulators do not match this optimizer's parameters")
+        if acc.get("accum_steps") != self.accum_steps or acc.get("reduction") != self.reduction:
+            raise ValueError(
+                "state_dict was saved with accum_steps/reduction "
+                f"{acc.get('accum_steps')}/{acc.get('reduction')}, this optimizer uses "
+                f"{self.accum_steps}/{self.reduction}"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._flat.copy_(flat)
+        self._micro_step = int(acc["micro_step"])
+        self._total_weight = float(acc["total_weight"])
+        self._nonfinite = bool(acc["nonfinite"])
+        self._updates = int(acc["updates"])
+        self._seen = [bool(s) for s in acc["seen"]]
+        self._growth_tracker = int(acc.get("growth_tracker", 0))
+        self._sumsq = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after wrapping: the accumulator buffer is laid out once."""
+        raise RuntimeError(
+            "add the parameter group to the inner optimizer before wrapping it in "
+            "GradientAccumulateOptimizer"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientAccumulateOptimizer({self.optimizer.__class__.__name__}, "
+            f"accum_steps={self.accum_steps}, reduction={self.reduction!r})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
