@@ -5,7 +5,10 @@ Each training forward adds the micro-batch's per-channel (count, mean, M2) to th
 (Chan's parallel formula, fp64, in the C++ core); the ``accum_steps``-th forward updates
 ``running_mean``, ``running_var`` and ``num_batches_tracked`` once, exactly as one
 ``nn.BatchNorm*d`` forward over the concatenated big batch would (unbiased running variance,
-PyTorch's momentum convention, ``momentum=None`` as a cumulative average).
+PyTorch's momentum convention, ``momentum=None`` as a cumulative average). Under
+torch.distributed the cycle's moments of all ranks are merged at the boundary with one small
+all_gather (``process_group``, default: the default group), so the statistics are those of the
+global big batch.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ _ACCUM_BUFFERS = ("accum_count", "accum_mean", "accum_m2", "accum_step")
 class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 
-    def _init_accum(self, accum_steps: Any) -> None:
+    def _init_accum(self, accum_steps: Any, process_group: Any = None) -> None:
         if isinstance(accum_steps, bool) or not isinstance(accum_steps, int):
             raise TypeError(f"accum_steps must be an int, got {type(accum_steps).__name__}")
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
         self.accum_steps = accum_steps
+        self.process_group = process_group
         c = self.num_features
         device = self.running_mean.device if self.running_mean is not None else None
         self.register_buffer("accum_count", torch.zeros((), dtype=torch.float64, device=device))
@@ -107,6 +111,7 @@ class _AccumBatchNormMixin:
             factor = 1.0 / float(self.num_batches_tracked)
         else:
             factor = float(self.momentum)
+        self._merge_across_ranks()
         count = float(self.accum_count)
         if count > 1:
             rm, rv = self.running_mean, self.running_var
@@ -122,6 +127,30 @@ class _AccumBatchNormMixin:
         self.accum_mean.zero_()
         self.accum_m2.zero_()
         self.accum_step.zero_()
+
+    def _merge_across_ranks(self) -> None:
+        """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        group = self.process_group
+        world = dist.get_world_size(group)
+        if world == 1:
+            return
+        c = self.num_features
+        mine = torch.cat([self.accum_count.view(1), self.accum_mean, self.accum_m2])
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        count = float(gathered[0][0])
+        mean, m2 = gathered[0][1 : 1 + c].clone().cpu(), gathered[0][1 + c :].clone().cpu()
+        for other in gathered[1:]:  # rank order: every rank computes the same result
+            other = other.cpu()
+            count = core.bn_merge(count, mean, m2, float(other[0]), other[1 : 1 + c].clone(),
+                                  other[1 + c :].clone())
+        self.accum_count.fill_(count)
+        self.accum_mean.copy_(mean)
+        self.accum_m2.copy_(m2)
 
     def flush(self) -> None:
         """Apply a partial cycle's statistics now (end of data)."""
@@ -141,9 +170,16 @@ class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):
         1
     """
 
-    def __init__(self, num_features: int, *args: Any, accum_steps: int = 1, **kwargs: Any):
+    def __init__(
+        self,
+        num_features: int,
+        *args: Any,
+        accum_steps: int = 1,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(num_features, *args, **kwargs)
-        self._init_accum(accum_steps)
+        self._init_accum(accum_steps, process_group)
 
 
 class AccumBatchNorm2d(_AccumBatchNormMixin, nn.BatchNorm2d):
@@ -156,9 +192,16 @@ class AccumBatchNorm2d(_AccumBatchNormMixin, nn.BatchNorm2d):
         torch.Size([2, 3, 5, 5])
     """
 
-    def __init__(self, num_features: int, *args: Any, accum_steps: int = 1, **kwargs: Any):
+    def __init__(
+        self,
+        num_features: int,
+        *args: Any,
+        accum_steps: int = 1,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(num_features, *args, **kwargs)
-        self._init_accum(accum_steps)
+        self._init_accum(accum_steps, process_group)
 
 
 class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
@@ -171,9 +214,16 @@ class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
         torch.Size([2, 2, 3, 3, 3])
     """
 
-    def __init__(self, num_features: int, *args: Any, accum_steps: int = 1, **kwargs: Any):
+    def __init__(
+        self,
+        num_features: int,
+        *args: Any,
+        accum_steps: int = 1,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(num_features, *args, **kwargs)
-        self._init_accum(accum_steps)
+        self._init_accum(accum_steps, process_group)
 
 
 _TARGETS = {

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from gradient_accumulator import core
+from gradient_accumulator.torch.distributed import SCALAR_SLOTS, BucketReducer, resolve_group
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer"]
 
@@ -82,6 +83,20 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             accumulators and lowers the scale. The wrapper calls ``scaler.update()``.
         leftover: what :meth:`flush` does with a cycle cut short by the end of the data:
             ``"apply"`` it with its true weight (default) or ``"carry"`` it into the next cycle.
+        process_group: reduce the accumulators over this ``torch.distributed`` group once per
+            cycle. By default the default group is used when torch.distributed is initialised
+            with more than one rank. Per-rank weights are summed in the same round, so the
+            update is the exact weighted mean over all ranks' micro-batches. Use it with an
+            unwrapped model (it replaces DDP's reduction), or with a DDP model inside
+            :func:`accumulate` (DDP stays silent until the boundary, where it averages
+            ``.grad``; the wrapper then does not reduce again — pass ``process_group=False``).
+        bucket_cap_mb: size of a reduction bucket (one collective each), in MiB.
+        overlap_reduce: start each bucket's reduction during the last micro-batch's backward, as
+            soon as its gradients are final (needs the micro-batch's weight before the
+            backward: the default 1, or ``accumulate(model, opt, weight=...)``). False: reduce
+            after the backward, in ``step()``.
+        reduce_timeout: seconds to wait for the other ranks at the boundary before raising
+            ``RuntimeError`` (None: the process group's own timeout).
 
     Example:
         >>> import torch
@@ -109,6 +124,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         agc_exclude: str | Iterable[Any] = "final",
         grad_scaler: Any = None,
         leftover: str = "apply",
+        process_group: Any = None,
+        bucket_cap_mb: float = 25.0,
+        overlap_reduce: bool = True,
+        reduce_timeout: float | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -176,19 +195,52 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._agc_skip = self._resolve_exclude(agc_exclude) if self.use_agc else set()
         self._fused_kind = self._fused_optimizer_kind()
 
-        # One flat fp32 buffer per device for all accumulators, laid out in backward order.
-        plan = core.arena_plan([p.numel() for p in self._params])
-        self._flat = torch.zeros(plan.total, dtype=torch.float32, device=self._params[0].device)
+        # One flat fp32 buffer per device for all accumulators, laid out in backward order and
+        # cut into buckets; SCALAR_SLOTS trailing elements carry the weight and non-finite flag.
+        if process_group is False:
+            self._distributed, group = False, None
+        else:
+            self._distributed, group = resolve_group(process_group)
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError("bucket_cap_mb must be a number")
+        if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if reduce_timeout is not None and not (
+            isinstance(reduce_timeout, (int, float)) and reduce_timeout > 0
+        ):
+            raise ValueError(f"reduce_timeout must be > 0 or None, got {reduce_timeout!r}")
+        plan = core.arena_plan(
+            [p.numel() for p in self._params],
+            bucket_numel=max(1, int(bucket_cap_mb * 2**20 // 4)),
+        )
+        self._flat = torch.zeros(
+            plan.total + SCALAR_SLOTS, dtype=torch.float32, device=self._params[0].device
+        )
         self._accs = [
             self._flat[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, self._params)
         ]
-        self._buckets = plan.bucket_start
+        self._reducer: BucketReducer | None = None
+        self._hooks: list[Any] = []
+        self._next_weight: float | None = None
+        self._overlap = bool(overlap_reduce) and self._distributed
+        if self._distributed:
+            self._reducer = BucketReducer(self._flat, plan.bucket_start, group, reduce_timeout)
+            self._bucket_of = list(plan.bucket_of)
+            self._bucket_size = [0] * self._reducer.num_buckets
+            for b in self._bucket_of:
+                self._bucket_size[b] += 1
+            self._bucket_done = [0] * self._reducer.num_buckets
+            if self._overlap:
+                for p in self._params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         self._seen = [False] * len(self._params)  # parameter received a gradient this cycle
         self._micro_step = 0
         self._total_weight = 0.0
         self._nonfinite = False
         self._sumsq: float | None = None
         self._updates = 0
+        self._overlapped = False  # this micro-batch's gradients went through the hooks
+        self._overlap_weight = 1.0
         self.update_applied = False
         self.last_grad_norm: float | None = None
 
@@ -285,6 +337,16 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         weight = float(weight)
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
+        if self._overlapped:
+            used = self._overlap_weight
+            if weight != used and not (weight == 1.0 and self._next_weight is not None):
+                raise ValueError(
+                    f"weight={weight} differs from the weight {used} the gradients were already "
+                    "reduced with during the backward; with overlap_reduce pass the weight to "
+                    "accumulate(model, opt, weight=...) (or set overlap_reduce=False)"
+                )
+            weight = used
+        self._next_weight = None
         self._accumulate(weight)
         self.update_applied = False
         if self._micro_step >= self.accum_steps:
@@ -316,7 +378,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 fresh_a.append(self._accs[i])
                 fresh_g.append(g)
         mode = "running_mean" if self.reduction == "running_mean" else "sum"
-        want_norm = boundary and self.max_grad_norm is not None and self.reduction != "running_mean"
+        want_norm = (boundary and self.max_grad_norm is not None and not self._distributed
+                     and self.reduction != "running_mean")
         # Validate everything before writing: both calls below check their lists first, and the
         # second cannot fail on input the first accepted (same checks, disjoint tensors).
         nonfinite = False
@@ -333,10 +396,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 sumsq += r.sumsq
         if first:
             # Parameters without a gradient in the cycle's first micro-batch start from zero.
-            missing = [self._accs[i] for i, p in enumerate(self._params) if p.grad is None]
+            # (Gradients the overwrite hooks already consumed count as present.)
+            self._seen = [s or p.grad is not None for s, p in zip(self._seen, self._params)]
+            missing = [self._accs[i] for i, s in enumerate(self._seen) if not s]
             if missing:
                 core.zero(missing)
-            self._seen = [p.grad is not None for p in self._params]
         else:
             for i, p in enumerate(self._params):
                 if p.grad is not None:
@@ -345,7 +409,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         for p in self._params:
             p.grad = None
         self._nonfinite |= nonfinite
-        self._total_weight += weight
+        if not self._overlapped:
+            self._total_weight += weight
+        self._overlapped = False
         self._micro_step += 1
         if want_norm:
             # Accumulators that this micro-batch did not touch still count towards the norm.
@@ -403,7 +469,70 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._growth_tracker = tracker
         scaler.update(new_scale)
 
+    def _reduce(self) -> None:
+        """Sum the accumulators, weights and non-finite flags over all ranks (one round)."""
+        assert self._reducer is not None
+        unseen = [self._accs[i] for i, s in enumerate(self._seen) if not s]
+        if unseen:  # stale values from an earlier cycle must not be summed
+            core.zero(unseen)
+        if self.reduction == "running_mean":
+            self._flat[: -SCALAR_SLOTS].mul_(self._total_weight)
+        scalars = self._flat[-SCALAR_SLOTS:]
+        scalars.zero_()
+        scalars[0] = self._total_weight
+        scalars[1] = 1.0 if self._nonfinite else 0.0
+        self._reducer.finish()
+        self._total_weight = float(scalars[0])
+        self._nonfinite = bool(scalars[1] > 0) or not math.isfinite(self._total_weight)
+        if self.reduction == "running_mean" and self._total_weight > 0:
+            self._flat[: -SCALAR_SLOTS].div_(self._total_weight)
+        # As with DDP, every parameter takes part in the update (zero where no rank had one).
+        self._seen = [True] * len(self._params)
+        self._sumsq = None
+        self._bucket_done = [0] * self._reducer.num_buckets
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: during the cycle's last backward, fold the gradient into
+        its accumulator at once and start its bucket's reduction when the bucket is complete."""
+        if self._micro_step + 1 < self.accum_steps or p.grad is None:
+            return
+        i = self._index[id(p)]
+        weight = self._next_weight if self._next_weight is not None else 1.0
+        if not self._overlapped:
+            self._overlapped = True
+            self._overlap_weight = weight
+            self._total_weight += weight
+        with torch.no_grad():
+            g = p.grad.detach()
+            if not g.is_contiguous():
+                g = g.contiguous()
+            fresh = not self._seen[i] or self._micro_step == 0
+            r = core.accumulate(
+                [self._accs[i]], [g], weight=weight,
+                mode="running_mean" if self.reduction == "running_mean" else "sum",
+                weight_before=self._total_weight - weight, overwrite=fresh,
+            )
+        self._nonfinite |= r.nonfinite
+        self._seen[i] = True
+        p.grad = None
+        b = self._bucket_of[i]
+        self._bucket_done[b] += 1
+        if self._bucket_done[b] == self._bucket_size[b] and b != self._reducer.scalar_bucket:
+            self._reducer.launch(b)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives launched by this optimizer's reductions so far (0 when not distributed)."""
+        return self._reducer.collectives if self._reducer is not None else 0
+
+    @property
+    def bytes_reduced(self) -> int:
+        """Bytes this rank has handed to all-reduce so far."""
+        return self._reducer.bytes_reduced if self._reducer is not None else 0
+
     def _apply(self) -> bool:
+        if self._distributed:
+            self._reduce()
         idx = [i for i in range(len(self._params)) if self._seen[i]]
         if self._nonfinite:
             # Skip the whole cycle: nothing half-applied, accumulators start over.

@@ -1,0 +1,113 @@
+"""One reduction per cycle: the accumulators' flat buckets summed over ranks by torch.distributed.
+
+The accumulators live in one flat fp32 buffer laid out in backward order and cut into buckets at
+tensor boundaries (see ``core.arena_plan``), so a bucket is a contiguous slice that the
+framework's collective (NCCL on GPUs, Gloo on CPUs) reduces in place — no packing, no home-made
+transport. Two scalars ride in the last bucket: the rank's total micro-batch weight and its
+non-finite flag, so the global weight and "skip this cycle" are agreed in the same round.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BucketReducer", "SCALAR_SLOTS"]
+
+SCALAR_SLOTS = 16  # elements reserved after the last bucket (keeps 64-byte alignment)
+
+
+class BucketReducer:
+    """Launches one all-reduce per bucket, at most once per cycle, and waits for them.
+
+    Args:
+        flat: the accumulator buffer; its last ``SCALAR_SLOTS`` elements hold the scalars.
+        bucket_start: ``num_buckets + 1`` element offsets of the buckets in ``flat``.
+        process_group: the group to reduce over (None: the default group).
+        timeout: seconds to wait for a reduction before raising (None: the group's timeout).
+    """
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        bucket_start: list[int],
+        process_group: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.flat = flat
+        self.group = process_group
+        self.timeout = timeout
+        n = len(bucket_start) - 1
+        # The last bucket also covers the scalar slots at the end of the buffer.
+        self.bounds = [(bucket_start[b], bucket_start[b + 1]) for b in range(n)]
+        end = flat.numel()
+        if self.bounds:
+            self.bounds[-1] = (self.bounds[-1][0], end)
+        else:
+            self.bounds = [(end - SCALAR_SLOTS, end)]
+        self.scalar_bucket = len(self.bounds) - 1
+        self._works: dict[int, Any] = {}
+        self.collectives = 0  # collectives launched so far (for tests and benchmarks)
+        self.bytes_reduced = 0
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bounds)
+
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def launch(self, bucket: int) -> None:
+        """Start the all-reduce of one bucket (asynchronous); a second call does nothing."""
+        if bucket in self._works:
+            return
+        lo, hi = self.bounds[bucket]
+        self._works[bucket] = dist.all_reduce(
+            self.flat[lo:hi], op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        self.collectives += 1
+        self.bytes_reduced += (hi - lo) * self.flat.element_size()
+
+    def finish(self) -> None:
+        """Launch the buckets not started yet and wait for all of them.
+
+        Raises:
+            RuntimeError: a peer failed, disappeared or did not join within the timeout.
+        """
+        for b in range(self.num_buckets):
+            self.launch(b)
+        works, self._works = self._works, {}
+        try:
+            for b in sorted(works):
+                if self.timeout is None:
+                    works[b].wait()
+                else:
+                    works[b].wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as e:  # the backend's error types differ (Gloo, NCCL)
+            rank = dist.get_rank(self.group) if dist.is_initialized() else "?"
+            raise RuntimeError(
+                f"gradient reduction failed on rank {rank}: another rank raised, exited or did "
+                f"not reach the end of the cycle in time ({type(e).__name__}: {e})"
+            ) from e
+
+    def pending(self) -> bool:
+        return bool(self._works)
+
+
+def resolve_group(process_group: Any) -> tuple[bool, Any]:
+    """Decide whether accumulators are reduced, and over which group.
+
+    An explicit ``process_group`` is always used (also with one rank, e.g. NCCL's world of 1);
+    otherwise the default group is used when torch.distributed is initialised with more than
+    one rank.
+    """
+    if process_group is not None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        return True, process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return True, None
+    return False, None

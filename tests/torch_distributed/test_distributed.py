@@ -1,0 +1,283 @@
+"""Multi-process tests of the once-per-cycle reduction (Gloo on localhost, 2 and 4 ranks).
+
+Every rank trains the same model on its own uneven micro-batches; the result must equal one
+process training on the global big batch of every cycle (all ranks' micro-batches together),
+with exactly one reduction round per optimizer step and none on other micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from gradient_accumulator.torch import (  # noqa: E402
+    AccumBatchNorm1d,
+    GradientAccumulateOptimizer,
+    accumulate,
+)
+
+pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs Gloo")
+
+TOL = 1e-5  # max|Δw| / max|w| against the single-process big batch, fp32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sizes(cfg: dict, cycle: int, rank: int) -> list[int]:
+    """Uneven micro-batch sizes, different on every rank and cycle."""
+    base = cfg["sizes"]
+    return [base[(cycle + rank + j) % len(base)] + rank for j in range(cfg["k"])]
+
+
+def _data(cfg: dict):
+    g = torch.Generator().manual_seed(123)
+    n = 4096
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _slices(cfg: dict):
+    """Per cycle: per rank: list of index tensors (one per micro-batch)."""
+    out, pos = [], 0
+    for c in range(cfg["cycles"]):
+        per_rank = []
+        for r in range(cfg["world"]):
+            mbs = []
+            for s in _sizes(cfg, c, r):
+                mbs.append(torch.arange(pos, pos + s))
+                pos += s
+            per_rank.append(mbs)
+        out.append(per_rank)
+    return out
+
+
+class _Net(nn.Module):
+    def __init__(self, bn: str):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        if bn == "accum":
+            self.bn = AccumBatchNorm1d(16, accum_steps=1)
+        elif bn == "ref":
+            self.bn = _RefBN(16)
+        else:
+            self.bn = nn.Identity()
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class _RefBN(nn.BatchNorm1d):
+    """Normalises each micro-batch by itself, updates running stats from the whole cycle."""
+
+    def __init__(self, c: int):
+        super().__init__(c)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.append(x.detach().double())
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def commit(self):
+        x = torch.cat(self.seen)
+        self.seen = []
+        self.running_mean.mul_(1 - self.momentum).add_(self.momentum * x.mean(0).float())
+        self.running_var.mul_(1 - self.momentum).add_(self.momentum * x.var(0).float())
+        self.num_batches_tracked += 1
+
+
+def _make_opt(cfg: dict, params):
+    if cfg["opt"] == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05)
+
+
+def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
+    try:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=cfg["world"])
+        torch.manual_seed(0)
+        model = _Net("accum" if cfg["bn"] else "none")
+        if cfg["bn"]:
+            model.bn.accum_steps = cfg["k"]
+        opt = GradientAccumulateOptimizer(
+            _make_opt(cfg, model.parameters()), cfg["k"], max_grad_norm=cfg["clip"],
+            overlap_reduce=cfg["overlap"], reduce_timeout=60,
+        )
+        x, y = _data(cfg)
+        calls = []
+        count = {"n": 0}
+        real = dist.all_reduce
+
+        def counting(*a, **kw):
+            count["n"] += 1
+            return real(*a, **kw)
+
+        dist.all_reduce = counting
+        for per_rank in _slices(cfg):
+            for idx in per_rank[rank]:
+                before = count["n"]
+                with accumulate(model, opt, weight=len(idx)):
+                    F.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step(weight=len(idx))
+                opt.zero_grad()
+                calls.append((count["n"] - before, opt.update_applied))
+        dist.all_reduce = real
+        torch.save(
+            {
+                "state": {k: v.clone() for k, v in model.state_dict().items()},
+                "calls": calls,
+                "bytes": opt.bytes_reduced,
+                "buckets": opt._reducer.num_buckets,
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run(cfg: dict, tmp_path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cfg, port, str(tmp_path)))
+             for r in range(cfg["world"])]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    errors = [f.read_text() for f in tmp_path.glob("*.err")]
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg["world"])]
+
+
+def _reference(cfg: dict) -> dict:
+    """One process, the global big batch of every cycle (loss = mean over all its samples)."""
+    torch.manual_seed(0)
+    model = _Net("ref" if cfg["bn"] else "none")
+    opt = _make_opt(cfg, model.parameters())
+    x, y = _data(cfg)
+    for per_rank in _slices(cfg):
+        mbs = [idx for r in per_rank for idx in r]
+        total = sum(len(i) for i in mbs)
+        loss = sum(F.mse_loss(model(x[i]), y[i]) * (len(i) / total) for i in mbs)
+        loss.backward()
+        if cfg["clip"] is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+        opt.step()
+        opt.zero_grad()
+        if cfg["bn"]:
+            model.bn.commit()
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def _check(cfg: dict, tmp_path) -> list[dict]:
+    results = _run(cfg, tmp_path)
+    ref = _reference(cfg)
+    wmax = max(v.abs().max().item() for k, v in ref.items() if v.is_floating_point())
+    for res in results:
+        for k, v in ref.items():
+            if not v.is_floating_point():
+                assert torch.equal(res["state"][k], v), k
+                continue
+            got = res["state"][k]
+            if "running" in k:
+                torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6, msg=k)
+            else:
+                err = (got - v).abs().max().item() / wmax
+                assert err <= TOL, (k, err)
+    # Exactly one reduction round (one collective per bucket) per update, none otherwise.
+    for res in results:
+        for n, applied in res["calls"]:
+            assert n == (res["buckets"] if applied else 0), res["calls"]
+    assert sum(a for _, a in results[0]["calls"]) == cfg["cycles"]
+    return results
+
+
+BASE = {"k": 3, "cycles": 4, "sizes": [5, 2, 7, 3], "clip": None, "bn": False, "overlap": True}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_uneven_ranks_match_global_big_batch(world, opt, tmp_path):
+    _check({**BASE, "world": world, "opt": opt}, tmp_path)
+
+
+def test_reduce_after_backward_matches(tmp_path):
+    _check({**BASE, "world": 2, "opt": "adamw", "overlap": False}, tmp_path)
+
+
+def test_clipping_acts_on_the_reduced_gradient(tmp_path):
+    _check({**BASE, "world": 2, "opt": "sgd", "clip": 0.05}, tmp_path)
+
+
+def test_accum_batchnorm_merges_across_ranks(tmp_path):
+    _check({**BASE, "world": 2, "opt": "sgd", "bn": True}, tmp_path)
+
+
+def _failing_worker(rank: int, port: int, out_dir: str, mode: str) -> None:
+    import time
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = nn.Linear(4, 2)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_timeout=3
+    )
+    if rank == 1:
+        if mode == "raise":
+            raise SystemExit(3)  # a rank that dies before the boundary
+        time.sleep(20)  # a rank that stalls past the timeout
+        return
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    elapsed = time.monotonic() - start
+    with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+        f.write(f"{elapsed}\n{message}")
+    os._exit(0)  # the group is broken; skip its teardown
+
+
+@pytest.mark.parametrize("mode", ["raise", "stall"])
+def test_failed_rank_gives_clear_error_not_hang(mode, tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_failing_worker, args=(r, port, str(tmp_path), mode))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(60)
+    assert procs[0].exitcode == 0
+    elapsed, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "gradient reduction failed on rank 0" in message
+    assert float(elapsed) < 15.0  # the 3 s timeout (or the peer's exit), not a hang
+    for p in procs[1:]:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
