@@ -1,13 +1,14 @@
-"""Train a small CNN with batch norm on scikit-learn's digits: 8 micro-batches of 8 vs batches of 64.
+"""A small CNN with batch norm on scikit-learn's digits: 8 micro-batches of 8 vs batches of 64.
 
 Two copies of the same network start from the same weights:
 
 * ``accumulated``: micro-batches of 8, ``GradientAccumulateOptimizer(SGD, accum_steps=8)`` and
   ``AccumBatchNorm2d`` layers (``convert_batchnorm``), the epoch's short last cycle applied with
   its true weight (``flush``);
-* ``big batch``: batches of 64 with a plain ``SGD`` (Nesterov momentum, weight decay). Its batch-norm layers normalise each group
-  of 8 samples with that group's statistics (the most a micro-batch can see) and update their
-  running statistics from all 64 — the exact target of accumulation.
+* ``big batch``: batches of 64 with a plain ``SGD`` (Nesterov momentum, weight decay). Its
+  batch-norm layers normalise each group of 8 samples with that group's statistics (the most a
+  micro-batch can see) and update their running statistics from all 64: the exact target of
+  accumulation.
 
 The script prints the largest weight and running-statistic difference between the two (fp32
 rounding, ~1e-6), their test accuracy and the process's peak memory. (SGD, not Adam, makes the
@@ -16,7 +17,7 @@ coordinate whose gradient is pure rounding noise — a dead ReLU unit — moves 
 learning rate in both runs, whatever the summation order.) The data ships with
 scikit-learn: nothing is downloaded.
 
-Run: ``python examples/torch_digits.py [--epochs 3] [--seed 0]``
+Run: ``python examples/torch_digits.py [--epochs 5] [--seed 0]``
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import functools
 from types import ModuleType
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_core() -> ModuleType:
     """Return ``gradient_accumulator._C``.
 

@@ -66,7 +66,8 @@ def adaptive_clip_grad(
     grads = []
     for p in params:
         g = p.grad.detach()
-        grads.append(g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous())
+        native = g.dtype == torch.float32 and g.is_contiguous()
+        grads.append(g if native else g.float().contiguous())
     core.adaptive_clip(
         [p.detach().contiguous() for p in params], grads, clip_factor=clip_factor, eps=eps,
         layout="leading",
