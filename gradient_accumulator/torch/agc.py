@@ -54,9 +54,9 @@ def adaptive_clip_grad(
         >>> w = torch.nn.Parameter(torch.ones(2, 2))
         >>> w.grad = torch.full((2, 2), 10.0)
         >>> adaptive_clip_grad([w], clip_factor=0.1)
-        >>> w.grad
-        tensor([[0.1414, 0.1414],
-                [0.1414, 0.1414]])
+        >>> w.grad  # each row's norm clipped to 0.1 * ‖(1, 1)‖ = 0.1414
+        tensor([[0.1000, 0.1000],
+                [0.1000, 0.1000]])
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

@@ -241,6 +241,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._updates = 0
         self._overlapped = False  # this micro-batch's gradients went through the hooks
         self._overlap_weight = 1.0
+        self._hooked: set[int] = set()  # parameters the hooks folded in this micro-batch
         self.update_applied = False
         self.last_grad_norm: float | None = None
 
@@ -346,6 +347,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     "accumulate(model, opt, weight=...) (or set overlap_reduce=False)"
                 )
             weight = used
+        elif self._next_weight is not None:
+            # accumulate(model, opt, weight=...) named this micro-batch's weight.
+            if weight == 1.0:
+                weight = self._next_weight
+            elif weight != self._next_weight:
+                raise ValueError(
+                    f"weight={weight} differs from the weight {self._next_weight} given to "
+                    "accumulate(model, opt, weight=...); give it once"
+                )
         self._next_weight = None
         self._accumulate(weight)
         self.update_applied = False
@@ -371,7 +381,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             if not g.is_contiguous():
                 g = g.contiguous()
             touched.append(i)
-            if self._seen[i] and not first:
+            # Accumulators unseen this cycle were zeroed on its first micro-step; a running mean
+            # must still scale a late gradient by w/(W+w), so it adds rather than overwrites.
+            if not first and (self._seen[i] or self.reduction == "running_mean"):
                 add_a.append(self._accs[i])
                 add_g.append(g)
             else:
@@ -402,6 +414,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             if missing:
                 core.zero(missing)
         else:
+            if self.reduction == "running_mean":
+                # A micro-batch without a gradient for a parameter adds a zero to its mean:
+                # acc ← acc·W/(W+w) for parameters seen earlier in the cycle but not now.
+                now = set(touched) | self._hooked
+                before = self._total_weight - (weight if self._overlapped else 0.0)
+                stale = [self._accs[i] for i, s in enumerate(self._seen) if s and i not in now]
+                if stale and before + weight > 0:
+                    core.apply(None, stale, optimizer="none", grad_scale=before / (before + weight),
+                               reset=False)
             for i, p in enumerate(self._params):
                 if p.grad is not None:
                     self._seen[i] = True
@@ -412,6 +433,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if not self._overlapped:
             self._total_weight += weight
         self._overlapped = False
+        self._hooked = set()
         self._micro_step += 1
         if want_norm:
             # Accumulators that this micro-batch did not touch still count towards the norm.
@@ -506,7 +528,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             g = p.grad.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
-            fresh = not self._seen[i] or self._micro_step == 0
+            fresh = self._micro_step == 0 or (
+                not self._seen[i] and self.reduction != "running_mean"
+            )
             r = core.accumulate(
                 [self._accs[i]], [g], weight=weight,
                 mode="running_mean" if self.reduction == "running_mean" else "sum",
@@ -514,6 +538,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             )
         self._nonfinite |= r.nonfinite
         self._seen[i] = True
+        self._hooked.add(i)
         p.grad = None
         b = self._bucket_of[i]
         self._bucket_done[b] += 1
@@ -550,6 +575,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
         if self._fused_kind is not None:
             self._fused_apply(idx, scale)
+            # The inner optimizer's step() did not run; tell an LR scheduler built on it that
+            # an optimizer step happened (torch warns on the first scheduler step otherwise).
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
         else:
             self._fallback_apply(idx, scale)
         self._updates += 1
