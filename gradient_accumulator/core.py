@@ -187,10 +187,10 @@ def unit_layout(shape: Sequence[int], layout: str = "leading") -> tuple[int, str
     raise ValueError(f"layout must be 'leading' or 'trailing', got {layout!r}")
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
+def _shape(t: Tensor, name: str) -> tuple[int, ...]:
     shape = getattr(t, "shape", None)
     if shape is None:
-        raise TypeError(f"cannot read the shape of {type(t).__name__}")
+        raise TypeError(f"{name} must be a tensor with a shape, got {type(t).__name__}")
     return tuple(int(d) for d in shape)
 
 
@@ -201,17 +201,43 @@ def unitwise_norm(tensor: Tensor, *, layout: str = "leading", out: Tensor | None
         ``out`` if given (float32 or float64, one element per unit), else a new float32 NumPy
         array.
     """
-    num_units, lay = unit_layout(_shape(tensor), layout)
+    num_units, lay = unit_layout(_shape(tensor, "tensor"), layout)
     if out is None:
         out = np.empty(num_units, np.float32)
     load_core().unitwise_norm(tensor, out, num_units, lay)
     return out
 
 
-def _units(tensors: Sequence[Tensor], layout: str | Sequence[tuple[int, str]]) -> list:
+def _units(
+    tensors: Sequence[Tensor], layout: str | Sequence[tuple[int, str]], name: str = "params"
+) -> list:
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    shapes = [_shape(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
     if isinstance(layout, str):
-        return [unit_layout(_shape(t), layout) for t in tensors]
-    return list(layout)
+        return [unit_layout(shape, layout) for shape in shapes]
+    units = list(layout)
+    if len(units) != len(shapes):
+        raise ValueError(
+            f"layout has {len(units)} entries but {name} has {len(shapes)} tensors"
+        )
+    for i, (u, shape) in enumerate(zip(units, shapes)):
+        if not (
+            isinstance(u, (tuple, list))
+            and len(u) == 2
+            and isinstance(u[0], (int, np.integer))
+            and not isinstance(u[0], bool)
+            and u[1] in ("leading", "trailing")
+        ):
+            raise ValueError(
+                f"layout[{i}] must be a pair (num_units, 'leading' or 'trailing'), got {u!r}"
+            )
+        numel = int(np.prod(shape)) if shape else 1
+        if u[0] < 1 or numel % int(u[0]) != 0:
+            raise ValueError(
+                f"layout[{i}]: {u[0]} units do not divide the {numel} elements of {name}[{i}]"
+            )
+    return [(int(u[0]), str(u[1])) for u in units]
 
 
 def adaptive_clip(
@@ -320,7 +346,14 @@ def apply(
         clip = "global_norm"
     elif agc:
         clip = "agc"
-    units = _units(params, layout) if (agc and params is not None) else None
+    units = None
+    if agc:
+        if params is None:
+            raise ValueError("params is None, but agc=True needs the parameters")
+        agc_eps_value = _check_real(agc_eps, "agc_eps")
+        if not (np.isfinite(agc_eps_value) and agc_eps_value >= 0):
+            raise ValueError(f"agc_eps must be finite and >= 0, got {agc_eps!r}")
+        units = _units(params, layout)
     r = load_core().apply(
         params,
         accumulators,
@@ -366,9 +399,13 @@ def bn_moments(
     Returns:
         ``(mean, m2, count)`` with count the number of values per channel.
     """
-    shape = _shape(x)
+    shape = _shape(x, "x")
     if len(shape) < 2:
         raise ValueError(f"x must have rank >= 2, got shape {shape}")
+    if isinstance(channels_axis, bool) or not isinstance(channels_axis, (int, np.integer)):
+        raise TypeError(f"channels_axis must be an int, got {type(channels_axis).__name__}")
+    if not -len(shape) <= channels_axis < len(shape):
+        raise ValueError(f"channels_axis {channels_axis} is out of range for x of shape {shape}")
     axis = channels_axis % len(shape)
     channels = shape[axis]
     outer = int(np.prod(shape[:axis])) if axis else 1
@@ -463,8 +500,12 @@ def arena_plan(
     when ``reverse`` (the order backward produces gradients), and are grouped into buckets of at
     least ``bucket_numel`` elements (default 25 MiB) for one collective each.
     """
+    try:
+        counts = [int(n) for n in numels]
+    except TypeError as e:
+        raise TypeError(f"numels must be a sequence of element counts: {e}") from None
     offsets, bucket_of, bucket_start, total = load_core().arena_plan(
-        [int(n) for n in numels], int(alignment), int(bucket_numel), bool(reverse)
+        counts, int(alignment), int(bucket_numel), bool(reverse)
     )
     return ArenaPlan(list(offsets), list(bucket_of), list(bucket_start), int(total))
 
@@ -510,7 +551,10 @@ class _View:
         self._arena, self._offset, self.shape = arena, offset, shape
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:
-        return self._arena.view(self._offset, list(self.shape))
+        # A DLPack 1.x consumer gets a versioned, writable capsule (NumPy imports a legacy one
+        # read-only); an older consumer gets the legacy capsule.
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        return self._arena.view(self._offset, list(self.shape), versioned)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)

@@ -21,7 +21,7 @@ extern "C" ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list g
     const double w = options->weight;
     if (!std::isfinite(w) || w < 0)
       fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
-    float alpha = 1.0f, beta = static_cast<float>(w);
+    double alpha = 1.0, beta = w;
     switch (options->mode) {
       case kGaAccumulateSum: break;
       case kGaAccumulateRunningMean: {
@@ -31,8 +31,8 @@ extern "C" ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list g
         const double total = before + w;
         if (total <= 0)
           fail(kGaInvalidArgument, "weight", "running mean needs a positive total weight");
-        alpha = static_cast<float>(before / total);
-        beta = static_cast<float>(w / total);
+        alpha = before / total;
+        beta = w / total;
         break;
       }
       default: fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
@@ -48,9 +48,11 @@ extern "C" ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list g
     make_chunks(accumulators, chunks);
     bad.assign(chunks.size(), 0);
     if (want_sumsq) part.assign(chunks.size(), 0.0);
-    AccumulateArgs a{accumulators.tensors, grads.tensors, alpha, beta,
-                     options->overwrite != 0, want_sumsq != 0, chunks.data(),
-                     static_cast<int64_t>(chunks.size()), bad.data(), part.data()};
+    AccumulateArgs a{accumulators.tensors, grads.tensors, static_cast<float>(alpha),
+                     static_cast<float>(beta), options->overwrite != 0, want_sumsq != 0,
+                     chunks.data(), static_cast<int64_t>(chunks.size()), bad.data(), part.data()};
+    a.alpha64 = alpha;
+    a.beta64 = beta;
     if (!chunks.empty()) cpu_kernels().accumulate(a);
     if (result) {
       result->nonfinite = 0;

@@ -26,7 +26,7 @@ void check_finite(double v, const char* name, double lo, bool lo_inclusive) {
   }
 }
 
-void validate_options(const ga_apply_options& o, bool has_coef_ptr) {
+void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_tensors) {
   if (!std::isfinite(o.grad_scale)) fail(kGaInvalidArgument, "grad_scale", "grad_scale must be finite");
   switch (o.clip) {
     case kGaClipNone: break;
@@ -36,7 +36,8 @@ void validate_options(const ga_apply_options& o, bool has_coef_ptr) {
     case kGaClipAgc:
       check_finite(o.clip_factor, "clip_factor", 0.0, false);
       check_finite(o.agc_eps, "eps", 0.0, true);
-      if (o.units == nullptr) fail(kGaInvalidArgument, "units", "AGC needs the unit layout of every tensor");
+      if (o.units == nullptr && num_tensors != 0)
+        fail(kGaInvalidArgument, "units", "AGC needs the unit layout of every tensor");
       break;
     default: fail(kGaInvalidArgument, "clip", "unknown clip mode");
   }
@@ -73,7 +74,7 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
     if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
     const ga_apply_tensors& t = *tp;
     const ga_apply_options& o = *op;
-    validate_options(o, o.clip_coef != nullptr);
+    validate_options(o, o.clip_coef != nullptr, t.accumulators.size);
     const bool update = o.optimizer != kGaOptimizerNone;
     const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
     const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;

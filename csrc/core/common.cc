@@ -88,19 +88,19 @@ void check_list_dtype_in(const ga_tensor_list& l, const std::string& name,
   for (int64_t i = 0; i < l.size; ++i) check_dtype_in(l.tensors[i], item(name, i), allowed);
 }
 
-void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists) {
-  for (const auto& [list, name] : lists) {
-    for (int64_t i = 0; i < list->size; ++i) {
-      if (list->tensors[i].device_type != kGaCPU) {
-        fail(ga_has_cuda() ? kGaTypeError : kGaUnsupported, item(name, i),
-             item(name, i) +
-                 (ga_has_cuda() ? " is on a CUDA device; every tensor of one call must be on "
-                                  "the same device"
-                                : " is on a CUDA device, but this build of gradient-accumulator "
-                                  "has no CUDA kernels (rebuild with -DGA_CUDA=ON)"));
-      }
-    }
+void check_cpu(const ga_tensor& t, const std::string& name) {
+  if (t.device_type != kGaCPU) {
+    fail(ga_has_cuda() ? kGaTypeError : kGaUnsupported, name,
+         name + (ga_has_cuda() ? " is on a CUDA device; every tensor of one call must be on "
+                                 "the same device"
+                               : " is on a CUDA device, but this build of gradient-accumulator "
+                                 "has no CUDA kernels (rebuild with -DGA_CUDA=ON)"));
   }
+}
+
+void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists) {
+  for (const auto& [list, name] : lists)
+    for (int64_t i = 0; i < list->size; ++i) check_cpu(list->tensors[i], item(name, i));
 }
 
 void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name) {

@@ -69,6 +69,7 @@ void check_dtype_in(const ga_tensor& t, const std::string& name,
 void check_list_dtype_in(const ga_tensor_list& l, const std::string& name,
                          std::initializer_list<ga_dtype> allowed);
 /// All tensors of the core's CPU kernels must be on the CPU (CUDA ones go to the CUDA build).
+void check_cpu(const ga_tensor& t, const std::string& name);
 void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists);
 
 /// A named byte range, for overlap checks.
@@ -106,6 +107,8 @@ struct AccumulateArgs {
   int64_t num_chunks;
   uint8_t* chunk_nonfinite;  // per chunk
   double* chunk_sumsq;       // per chunk (when want_sumsq)
+  double alpha64 = 1.0;      // alpha and beta unrounded, for fp64 accumulators
+  double beta64 = 0.0;
 };
 
 struct SumsqArgs {

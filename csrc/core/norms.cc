@@ -58,8 +58,8 @@ extern "C" ga_status ga_unitwise_norm(ga_tensor tensor, ga_units units, ga_tenso
       fail(kGaInvalidArgument, "norms",
            "norms has " + std::to_string(norms.numel) + " elements, expected " +
                std::to_string(units.num_units));
-    ga_tensor_list tl{&tensor, 1}, nl{&norms, 1};
-    check_all_cpu({{&tl, "tensor"}, {&nl, "norms"}});
+    check_cpu(tensor, "tensor");
+    check_cpu(norms, "norms");
     std::vector<Range> w, r;
     add_range(w, norms, "norms");
     add_range(r, tensor, "tensor");

@@ -68,7 +68,14 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
     if (py::hasattr(src, "requires_grad") && py::bool_(src.attr("requires_grad")))
       src = src.attr("detach")();
     try {
-      cap_obj = src.attr("__dlpack__")();
+      // Ask for a DLPack 1.x capsule first: it carries the read-only flag, so a read-only
+      // array (numpy refuses to export one as a legacy capsule) can still be read from.
+      try {
+        cap_obj = src.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 0));
+      } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_TypeError)) throw;
+        cap_obj = src.attr("__dlpack__")();  // a producer that predates max_version
+      }
     } catch (py::error_already_set& e) {
       if (e.matches(PyExc_BufferError))
         throw py::value_error(name + " cannot be exported through DLPack (read-only or not a plain "
@@ -122,6 +129,11 @@ void view_deleter(DLManagedTensor* self) {
   delete self;
 }
 
+void view_deleter_versioned(DLManagedTensorVersioned* self) {
+  delete static_cast<ViewContext*>(self->manager_ctx);
+  delete self;
+}
+
 void capsule_destructor(PyObject* cap) {
   // A consumer renames the capsule to "used_dltensor" and owns it; otherwise we free it.
   if (PyCapsule_IsValid(cap, "dltensor")) {
@@ -132,10 +144,21 @@ void capsule_destructor(PyObject* cap) {
   }
 }
 
+void capsule_destructor_versioned(PyObject* cap) {
+  // Same for DLPack 1.x: a consumer renames it to "used_dltensor_versioned".
+  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+    auto* m = static_cast<DLManagedTensorVersioned*>(
+        PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    if (m && m->deleter) m->deleter(m);
+  } else {
+    PyErr_Clear();
+  }
+}
+
 }  // namespace
 
 py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t offset,
-                        const std::vector<int64_t>& shape) {
+                        const std::vector<int64_t>& shape, bool versioned) {
   int64_t numel = 1;
   for (int64_t d : shape) {
     if (d < 0) throw py::value_error("shape has a negative dimension");
@@ -152,14 +175,32 @@ py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t of
     ctx->strides[d] = stride;
     stride *= shape[d];
   }
+  DLTensor t{};
+  t.data = storage->data;
+  t.byte_offset = static_cast<uint64_t>(offset) * sizeof(float);
+  t.device = DLDevice{storage->device_type == kGaCPU ? 1 : 2, storage->device_id};
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = DLDataType{2, 32, 1};
+  t.shape = ctx->shape.data();
+  t.strides = ctx->strides.data();
+  if (versioned) {
+    // DLPack 1.x: writable (flags 0), so consumers such as NumPy import a writable array.
+    auto m = std::make_unique<DLManagedTensorVersioned>();
+    m->version = DLPackVersion{1, 0};
+    m->flags = 0;
+    m->dl_tensor = t;
+    m->manager_ctx = ctx.release();
+    m->deleter = view_deleter_versioned;
+    PyObject* cap = PyCapsule_New(m.get(), "dltensor_versioned", capsule_destructor_versioned);
+    if (cap == nullptr) {
+      view_deleter_versioned(m.release());
+      throw py::error_already_set();
+    }
+    m.release();
+    return py::reinterpret_steal<py::capsule>(cap);
+  }
   auto m = std::make_unique<DLManagedTensor>();
-  m->dl_tensor.data = storage->data;
-  m->dl_tensor.byte_offset = static_cast<uint64_t>(offset) * sizeof(float);
-  m->dl_tensor.device = DLDevice{storage->device_type == kGaCPU ? 1 : 2, storage->device_id};
-  m->dl_tensor.ndim = static_cast<int32_t>(shape.size());
-  m->dl_tensor.dtype = DLDataType{2, 32, 1};
-  m->dl_tensor.shape = ctx->shape.data();
-  m->dl_tensor.strides = ctx->strides.data();
+  m->dl_tensor = t;
   m->manager_ctx = ctx.release();
   m->deleter = view_deleter;
   PyObject* cap = PyCapsule_New(m.get(), "dltensor", capsule_destructor);

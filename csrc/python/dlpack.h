@@ -81,9 +81,10 @@ struct ArenaStorage {
   ~ArenaStorage();
 };
 
-/// Export elements [offset, offset + prod(shape)) of an arena as a legacy DLPack capsule.
+/// Export elements [offset, offset + prod(shape)) of an arena as a DLPack capsule: a writable
+/// DLPack 1.x "dltensor_versioned" one when `versioned`, else a legacy "dltensor" one.
 py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t offset,
-                        const std::vector<int64_t>& shape);
+                        const std::vector<int64_t>& shape, bool versioned = false);
 
 }  // namespace python
 }  // namespace ga

@@ -36,6 +36,9 @@ void call_core(F&& f) {
       argument = ga_last_error_argument();
     }
   }
+  // Every message names its argument; prefix the name where the core's text does not say it.
+  if (!argument.empty() && message.find(argument) == std::string::npos)
+    message = argument + ": " + message;
   switch (status) {
     case kGaOk: return;
     case kGaInvalidArgument: throw py::value_error(message);
@@ -102,7 +105,19 @@ double sum_of_squares(py::handle tensors) {
 void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
                    const std::string& layout) {
   auto t = import_tensor(tensor, "tensor", false);
-  auto n = import_tensor(norms, "norms", true);
+  // The Python API calls the output `out`: check it here so that errors name it so.
+  auto n = import_tensor(norms, "out", true);
+  if (n.desc.dtype != kGaFloat32 && n.desc.dtype != kGaFloat64)
+    throw py::type_error("out must be a float32 or float64 tensor");
+  if (n.desc.numel != num_units)
+    throw py::value_error("out has " + std::to_string(n.desc.numel) + " elements, expected " +
+                          std::to_string(num_units) + " (one per unit)");
+  const auto* tb = static_cast<const char*>(t.desc.data);
+  const auto* nb = static_cast<const char*>(n.desc.data);
+  if (t.desc.numel > 0 && n.desc.numel > 0 &&
+      tb < nb + n.desc.numel * ga_dtype_size(n.desc.dtype) &&
+      nb < tb + t.desc.numel * ga_dtype_size(t.desc.dtype))
+    throw py::value_error("out overlaps tensor in memory (the buffers must not alias)");
   auto u = parse_units(py::cast(std::vector<std::pair<int64_t, std::string>>{{num_units, layout}}), 1);
   call_core([&] { return ga_unitwise_norm(t.desc, u[0], n.desc); });
 }
@@ -112,6 +127,9 @@ void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
   auto p = import_list(params, "params", false);
   auto g = import_list(grads, "grads", true);
   auto pd = descriptors(p), gd = descriptors(g);
+  if (pd.size() != gd.size())
+    throw py::value_error("grads has " + std::to_string(gd.size()) + " tensors but params has " +
+                          std::to_string(pd.size()));
   auto u = parse_units(units, gd.size());
   if (u.size() != gd.size()) throw py::value_error("units is required");
   call_core([&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
@@ -169,6 +187,9 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
   }
   auto pd = descriptors(p), ad = descriptors(a), s1d = descriptors(s1), s2d = descriptors(s2),
        god = descriptors(go);
+  if (!units.is_none() && pd.size() != ad.size())
+    throw py::value_error("params has " + std::to_string(pd.size()) +
+                          " tensors but accumulators has " + std::to_string(ad.size()));
   auto u = parse_units(units, ad.size());
   if (o.clip == kGaClipAgc) {
     if (u.empty() && !ad.empty()) throw py::value_error("units is required for clip='agc'");
@@ -258,8 +279,8 @@ class Arena {
   }
   int64_t numel() const { return storage_->numel; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(storage_->data); }
-  py::capsule view(int64_t offset, const std::vector<int64_t>& shape) const {
-    return ga::python::export_view(storage_, offset, shape);
+  py::capsule view(int64_t offset, const std::vector<int64_t>& shape, bool versioned) const {
+    return ga::python::export_view(storage_, offset, shape, versioned);
   }
 
  private:
@@ -305,5 +326,6 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int64_t>(), py::arg("numel"))
       .def_property_readonly("numel", &Arena::numel)
       .def_property_readonly("data_ptr", &Arena::data_ptr)
-      .def("view", &Arena::view, py::arg("offset"), py::arg("shape"));
+      .def("view", &Arena::view, py::arg("offset"), py::arg("shape"),
+           py::arg("versioned") = false);
 }
