@@ -1,0 +1,57 @@
+"""End-of-epoch handling of a cycle cut short by the end of the data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
+
+__all__ = ["FlushAccumulation"]
+
+
+def find_accumulator(optimizer: Any) -> GradientAccumulateOptimizer | None:
+    """The GradientAccumulateOptimizer in ``optimizer`` (possibly inside a LossScaleOptimizer)."""
+    while optimizer is not None:
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+class FlushAccumulation(keras.callbacks.Callback):
+    """Applies the leftover micro-batches of each epoch (``leftover="apply"``) before validation.
+
+    :class:`GradientAccumulateModel` adds it to ``fit`` itself; add it by hand when a plain
+    ``keras.Model`` is compiled with a :class:`GradientAccumulateOptimizer`. With
+    ``leftover="carry"`` it does nothing and the cycle goes on into the next epoch.
+
+    Example:
+        >>> import numpy as np, keras
+        >>> from gradient_accumulator.keras import FlushAccumulation, GradientAccumulateOptimizer
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> model.compile(GradientAccumulateOptimizer("SGD", accum_steps=4), loss="mse")
+        >>> x, y = np.ones((6, 2), "float32"), np.ones((6, 1), "float32")
+        >>> _ = model.fit(x, y, batch_size=1, verbose=0, callbacks=[FlushAccumulation()])
+        >>> int(model.optimizer.iterations)  # one full cycle, then 2 leftover micro-batches
+        2
+    """
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        """Flush after the epoch's last batch, when the number of batches is known."""
+        steps = self.params.get("steps") if self.params else None
+        if steps and batch + 1 >= steps:
+            self._flush()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """Flush at the end of an epoch of unknown length (no-op when nothing is pending)."""
+        self._flush()
+
+    def _flush(self) -> None:
+        opt = find_accumulator(getattr(self.model, "optimizer", None))
+        if opt is None or opt.leftover != "apply" or not opt.built:
+            return
+        if keras.backend.backend() == "jax" and hasattr(self.model, "jax_state_sync"):
+            self.model.jax_state_sync()
+        opt.flush()

@@ -1,0 +1,162 @@
+"""AccumBatchNormalization: batch norm whose moving statistics are those of the big batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from gradient_accumulator.keras import _checks
+
+__all__ = ["AccumBatchNormalization"]
+
+
+@keras.saving.register_keras_serializable(package="gradient-accumulator")
+class AccumBatchNormalization(keras.layers.BatchNormalization):
+    """Batch normalization for gradient accumulation over ``accum_steps`` micro-batches.
+
+    In training the layer normalises each micro-batch with that micro-batch's statistics (it
+    cannot see the others), and merges the micro-batches' (count, mean, M2) with Chan's
+    parallel formula. Once per ``accum_steps`` calls the moving statistics take one Keras
+    update, ``moving = moving·momentum + batch·(1 − momentum)`` with the biased variance of the
+    merged batch, so they equal those of a ``BatchNormalization`` that saw the ``accum_steps``
+    micro-batches as one batch. With ``accum_steps=1`` it is ``BatchNormalization``. Inference,
+    ``training=None`` and ``trainable=False`` behave as in ``BatchNormalization``, and the first
+    four weights (gamma, beta, moving mean, moving variance) are the same.
+
+    Args:
+        accum_steps: micro-batches per moving-statistics update (the model's ``accum_steps``).
+        momentum: momentum of the moving average (Keras convention).
+        epsilon: added to the variance.
+        trainable: whether gamma and beta train and statistics update.
+        axis: the channel axis (any axis of an input of rank ≥ 2).
+        center: learn an offset beta.
+        scale: learn a scale gamma.
+        **kwargs: other ``BatchNormalization`` arguments (initializers, regularizers,
+            constraints, ``name``, ``dtype``); ``renorm`` and ``synchronized`` are not supported.
+
+    Example:
+        >>> import numpy as np, keras
+        >>> from gradient_accumulator.keras import AccumBatchNormalization
+        >>> bn = AccumBatchNormalization(accum_steps=2, momentum=0.0)
+        >>> x = np.arange(8, dtype="float32").reshape(4, 2)
+        >>> _ = bn(x[:2], training=True)
+        >>> _ = bn(x[2:], training=True)  # end of the cycle: statistics of all 4 rows
+        >>> keras.ops.convert_to_numpy(bn.moving_mean).tolist()
+        [3.0, 4.0]
+    """
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        momentum: float = 0.99,
+        epsilon: float = 1e-3,
+        trainable: bool = True,
+        axis: int = -1,
+        center: bool = True,
+        scale: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        accum_steps = _checks.check_accum_steps(accum_steps)
+        for key in ("renorm", "synchronized"):
+            if kwargs.pop(key, False):
+                raise ValueError(f"AccumBatchNormalization does not support {key}=True")
+        for key in ("renorm_clipping", "renorm_momentum"):
+            kwargs.pop(key, None)
+        if isinstance(axis, (list, tuple)):
+            if len(axis) != 1:
+                raise ValueError(f"axis must be a single axis, got {axis!r}")
+            axis = axis[0]
+        super().__init__(
+            axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
+            trainable=trainable, **kwargs,
+        )
+        self.accum_steps = accum_steps
+
+    def build(self, input_shape: Any) -> None:
+        """Create BatchNormalization's weights, then the accumulated moments."""
+        if len(input_shape) < 2:
+            raise ValueError(f"inputs must have rank >= 2, got shape {tuple(input_shape)}")
+        super().build(input_shape)
+        shape = (input_shape[self.axis],)
+
+        def state(name: str, shape: tuple, dtype: str = "float32") -> Any:
+            return self.add_weight(
+                shape=shape, name=name, initializer="zeros", dtype=dtype, trainable=False,
+                autocast=False,
+            )
+
+        self.accum_mean = state("accum_mean", shape)
+        self.accum_variance = state("accum_variance", shape)
+        self.accum_count = state("accum_count", ())
+        self.accum_step = state("accum_step", (), "int32")
+
+    def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+        """Normalise with micro-batch statistics in training, moving statistics otherwise."""
+        if not (training and self.trainable):
+            return super().call(inputs, training=False, mask=mask)
+        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+        x = ops.cast(inputs, compute_dtype)
+        mean, variance = self._moments(x, mask)
+        self._merge_and_update(mean, variance, self._count(x, mask))
+        gamma = ops.cast(self.gamma, x.dtype) if self.scale else None
+        beta = ops.cast(self.beta, x.dtype) if self.center else None
+        outputs = ops.batch_normalization(
+            x=x, mean=mean, variance=variance, axis=self.axis, offset=beta, scale=gamma,
+            epsilon=self.epsilon,
+        )
+        return ops.cast(outputs, self.compute_dtype)
+
+    def _count(self, x: Any, mask: Any) -> Any:
+        """Values per channel in this micro-batch."""
+        if mask is not None:
+            return ops.sum(ops.cast(mask, "float32"))
+        count = ops.convert_to_tensor(1.0, "float32")
+        shape = ops.shape(x)
+        for axis in self._reduction_axes:
+            count = count * ops.cast(shape[axis], "float32")
+        return count
+
+    def _merge_and_update(self, mean_b: Any, var_b: Any, n_b: Any) -> None:
+        """Chan's merge of (n, mean, biased var) into the cycle; moving update at its end."""
+        mean_b = ops.cast(mean_b, "float32")
+        var_b = ops.cast(var_b, "float32")
+        step, count = self.accum_step.value, self.accum_count.value
+        acc_mean, acc_var = self.accum_mean.value, self.accum_variance.value
+        first = ops.equal(step, 0)
+        n_a = ops.where(first, 0.0, count)
+        n = n_a + n_b
+        frac_b = n_b / ops.maximum(n, 1e-30)
+        frac_a = n_a / ops.maximum(n, 1e-30)
+        delta = mean_b - acc_mean
+        mean = ops.where(first, mean_b, acc_mean + delta * frac_b)
+        var = ops.where(
+            first,
+            var_b,
+            frac_a * acc_var + frac_b * var_b + frac_a * frac_b * ops.square(delta),
+        )
+        step = step + 1
+        boundary = ops.greater_equal(step, self.accum_steps)
+        moving_mean = ops.cast(self.moving_mean.value, "float32")
+        moving_var = ops.cast(self.moving_variance.value, "float32")
+        self.moving_mean.assign(
+            ops.where(boundary, moving_mean * self.momentum + mean * (1.0 - self.momentum),
+                      moving_mean)
+        )
+        self.moving_variance.assign(
+            ops.where(boundary, moving_var * self.momentum + var * (1.0 - self.momentum),
+                      moving_var)
+        )
+        self.accum_mean.assign(mean)
+        self.accum_variance.assign(var)
+        self.accum_count.assign(n)
+        self.accum_step.assign(ops.where(boundary, ops.zeros_like(step), step))
+
+    def get_config(self) -> dict[str, Any]:
+        """``BatchNormalization``'s config plus ``accum_steps``."""
+        config = super().get_config()
+        for key in ("renorm", "renorm_clipping", "renorm_momentum", "synchronized"):
+            config.pop(key, None)
+        config["accum_steps"] = self.accum_steps
+        return config

@@ -1,0 +1,217 @@
+"""GradientAccumulateModel: a functional Keras model whose optimizer steps once per k batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras.agc import check_agc_args
+from gradient_accumulator.keras.callbacks import FlushAccumulation, find_accumulator
+from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
+
+__all__ = ["GradientAccumulateModel"]
+
+_BACKEND = keras.backend.backend()
+
+
+def _batch_size(data: Any) -> Any:
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return ops.cast(ops.shape(first)[0], "float32")
+
+
+@keras.saving.register_keras_serializable(package="gradient-accumulator")
+class GradientAccumulateModel(keras.Model):
+    """A functional model that accumulates gradients over ``accum_steps`` batches per update.
+
+    Build it from another model's inputs and outputs, then ``compile`` and ``fit`` as usual: the
+    optimizer given to ``compile`` is wrapped in a :class:`GradientAccumulateOptimizer`, so any
+    Keras optimizer updates once per ``accum_steps`` batches with the weights a batch
+    ``accum_steps`` times larger would give. Each batch is weighted by its number of samples,
+    so a short last batch counts as much as it should; a cycle cut short by the end of an epoch
+    is applied with its true weight before validation (``leftover="apply"``) or carried into the
+    next epoch (``leftover="carry"``). The model has exactly the weights of the wrapped one.
+
+    Args:
+        accum_steps: batches per update, an int ≥ 1.
+        mixed_precision: dynamic loss scaling per cycle (also switched on by a
+            ``"mixed_float16"`` policy, as ``compile`` does for plain models).
+        use_agc: adaptive gradient clipping of the accumulated gradient.
+        clip_factor: AGC's λ.
+        eps: AGC's ε.
+        experimental_distributed_support: accepted for compatibility; distribution needs no
+            switch (replicas accumulate locally and reduce once per cycle).
+        *args: passed to ``keras.Model``.
+        leftover: ``"apply"`` or ``"carry"``, see above.
+        agc_exclude: variables AGC leaves alone; see :class:`GradientAccumulateOptimizer`.
+        **kwargs: passed to ``keras.Model`` (``inputs=``, ``outputs=``, ``name=``).
+
+    Example:
+        >>> import numpy as np, keras
+        >>> from gradient_accumulator.keras import GradientAccumulateModel
+        >>> inputs = keras.Input((3,))
+        >>> outputs = keras.layers.Dense(1)(inputs)
+        >>> model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+        >>> model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+        >>> x, y = np.ones((32, 3), "float32"), np.zeros((32, 1), "float32")
+        >>> _ = model.fit(x, y, batch_size=4, verbose=0)
+        >>> int(model.optimizer.iterations)
+        2
+    """
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        mixed_precision: bool = False,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        experimental_distributed_support: bool = False,
+        *args: Any,
+        leftover: str = "apply",
+        agc_exclude: Any = "final",
+        **kwargs: Any,
+    ) -> None:
+        accum_steps = _checks.check_accum_steps(accum_steps)
+        mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
+        use_agc = _checks.check_bool(use_agc, "use_agc")
+        clip_factor, eps = check_agc_args(clip_factor, eps)
+        experimental_distributed_support = _checks.check_bool(
+            experimental_distributed_support, "experimental_distributed_support"
+        )
+        leftover = _checks.check_leftover(leftover)
+        super().__init__(*args, **kwargs)
+        self.accum_steps = accum_steps
+        self.mixed_precision = mixed_precision
+        self.use_agc = use_agc
+        self.clip_factor = clip_factor
+        self.eps = eps
+        self.experimental_distributed_support = experimental_distributed_support
+        self.leftover = leftover
+        self.agc_exclude = agc_exclude
+
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        """``keras.Model.compile`` with ``optimizer`` wrapped for accumulation.
+
+        A :class:`GradientAccumulateOptimizer` is used as given (its ``accum_steps`` must match);
+        a ``LossScaleOptimizer`` is unwrapped and its scaling done per cycle.
+        """
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            if optimizer.accum_steps != self.accum_steps:
+                raise ValueError(
+                    f"optimizer has accum_steps={optimizer.accum_steps} but the model "
+                    f"accum_steps={self.accum_steps}"
+                )
+            wrapped = optimizer
+        else:
+            auto_scale = kwargs.get("auto_scale_loss", True)
+            mixed = self.mixed_precision or (
+                auto_scale and self.dtype_policy.name == "mixed_float16"
+            )
+            wrapped = GradientAccumulateOptimizer(
+                optimizer,
+                accum_steps=self.accum_steps,
+                mixed_precision=mixed,
+                use_agc=self.use_agc,
+                clip_factor=self.clip_factor,
+                eps=self.eps,
+                agc_exclude=self.agc_exclude,
+                leftover=self.leftover,
+            )
+        kwargs["auto_scale_loss"] = False
+        super().compile(wrapped, *args, **kwargs)
+
+    def get_compile_config(self) -> dict[str, Any]:
+        """The compile arguments, with the wrapped optimizer (used by ``.keras`` saving)."""
+        return super().get_compile_config()
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compile from :meth:`get_compile_config`'s output and build the optimizer's state."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """``keras.Model.fit``, plus the end-of-epoch handling of a short last cycle."""
+        args = list(args)
+        if len(args) > 5:
+            args[5] = self._with_flush(args[5])
+        else:
+            kwargs["callbacks"] = self._with_flush(kwargs.get("callbacks"))
+        return super().fit(*args, **kwargs)
+
+    @staticmethod
+    def _with_flush(callbacks: Any) -> Any:
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            return callbacks
+        callbacks = list(callbacks or [])
+        if not any(isinstance(c, FlushAccumulation) for c in callbacks):
+            callbacks.append(FlushAccumulation())
+        return callbacks
+
+    if _BACKEND == "jax":
+
+        def train_step(self, state: Any, data: Any) -> Any:
+            """One micro-step; passes the batch size to the optimizer as the batch's weight."""
+            opt = find_accumulator(self.optimizer)
+            if opt is not None:
+                trainable, non_trainable, optimizer_values, metrics = state
+                optimizer_values = list(optimizer_values)
+                index = [id(v) for v in self.optimizer.variables].index(id(opt._batch_weight))
+                optimizer_values[index] = _batch_size(data)
+                state = (trainable, non_trainable, optimizer_values, metrics)
+            return super().train_step(state, data)
+
+    else:
+
+        def train_step(self, data: Any) -> Any:
+            """One micro-step; passes the batch size to the optimizer as the batch's weight."""
+            opt = find_accumulator(self.optimizer)
+            if opt is not None and opt.built:
+                opt._batch_weight.assign(_batch_size(data))
+            return super().train_step(data)
+
+    def apply_accu_gradients(self) -> bool:
+        """Apply the pending micro-batches now, with their true weight (as the original's).
+
+        Returns:
+            True if anything was pending.
+        """
+        opt = find_accumulator(self.optimizer)
+        if opt is None or opt.pending() == 0:
+            return False
+        leftover, opt.leftover = opt.leftover, "apply"
+        try:
+            return opt.flush()
+        finally:
+            opt.leftover = leftover
+
+    def reinit_grad_accum(self) -> None:
+        """Discard the pending micro-batches (the next one starts a new cycle)."""
+        opt = find_accumulator(self.optimizer)
+        if opt is not None and opt.built:
+            opt._micro_step.assign(0)
+            opt._total_weight.assign(0.0)
+            opt._nonfinite.assign(0.0)
+
+    def get_config(self) -> dict[str, Any]:
+        """The functional config plus the accumulation settings (``accum_steps`` included)."""
+        config = super().get_config()
+        exclude = self.agc_exclude
+        if exclude is not None and not isinstance(exclude, str):
+            exclude = [e for e in exclude if isinstance(e, str)]
+        config.update(
+            accum_steps=self.accum_steps,
+            mixed_precision=self.mixed_precision,
+            use_agc=self.use_agc,
+            clip_factor=self.clip_factor,
+            eps=self.eps,
+            experimental_distributed_support=self.experimental_distributed_support,
+            leftover=self.leftover,
+            agc_exclude=exclude,
+        )
+        return config

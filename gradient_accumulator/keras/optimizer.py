@@ -1,0 +1,735 @@
+"""GradientAccumulateOptimizer: any Keras 3 optimizer stepping once per k micro-batches, exactly.
+
+Three code paths share one arithmetic: a functional one for JAX (``stateless_apply`` with
+``lax.cond``, so non-boundary micro-steps do the accumulate and nothing else), a stateful one in
+backend ops for TensorFlow (compiled by ``tf.function``, replica-local accumulators under
+``tf.distribute``) and eager PyTorch, and the C++ core on the PyTorch backend (one accumulate pass
+per micro-step, one fused apply per cycle).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src.utils.tracking import no_automatic_dependency_tracking
+
+from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras.agc import check_agc_args, clip_one
+
+__all__ = ["GradientAccumulateOptimizer"]
+
+_BACKEND = keras.backend.backend()
+_FORBIDDEN_ON_WRAPPER = (
+    "weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+    "gradient_accumulation_steps", "learning_rate",
+)
+# Own scalar state, in the order the variables are created (after the base class's iteration
+# counter and learning-rate variable): the JAX path reads them back by position.
+_SCALARS = ("micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth")
+
+
+def _resolve_inner(optimizer: Any) -> Any:
+    if isinstance(optimizer, (str, dict)):
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as e:
+            raise ValueError(f"optimizer {optimizer!r} is not a Keras optimizer: {e}") from e
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "optimizer must be a keras.optimizers.Optimizer, its name or its config, got "
+            f"{type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def _no_merge_call() -> bool:
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def _strategy() -> Any:
+    """The active tf.distribute strategy when it has more than one replica, else None."""
+    if _BACKEND != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    return strategy if strategy.num_replicas_in_sync > 1 else None
+
+
+@keras.saving.register_keras_serializable(package="gradient-accumulator")
+class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras 3 optimizer so that it updates once every ``accum_steps`` micro-batches.
+
+    Each ``apply()`` folds the micro-batch's gradients into float32 accumulators (whatever the
+    variables' dtype); the ``accum_steps``-th call hands the averaged gradient to the inner
+    optimizer, once. The inner optimizer never sees the skipped micro-steps, so its moments,
+    its ``iterations`` (bias correction) and its learning-rate schedule count real updates, and
+    ``k`` micro-batches of ``b`` give the weights of one batch of ``k·b`` for any optimizer.
+    Accumulators and counters are optimizer variables: they are saved with the model, so a run
+    saved in the middle of a cycle resumes exactly.
+
+    On the PyTorch backend the accumulate and, for ``SGD`` (no momentum), ``Adam`` and ``AdamW``,
+    the whole update run in the package's C++ core; on TensorFlow and JAX in backend ops that
+    ``tf.function``/XLA compile. Under a ``tf.distribute`` strategy every replica accumulates its
+    own gradients and they are all-reduced once per cycle, at the boundary.
+
+    Args:
+        optimizer: the inner optimizer: an instance, a name (``"SGD"``, ``"adam"``) or a config.
+            A ``LossScaleOptimizer`` is unwrapped and its scaling taken over.
+        accum_steps: micro-batches per update, an int ≥ 1.
+        reduction: ``"MEAN"`` (the weighted mean of the micro-batch gradients; exact for
+            micro-batches of equal size, and for unequal ones under
+            :class:`GradientAccumulateModel`, which weights each by its number of samples),
+            ``"SUM"`` (their plain sum) or ``"RUNNING_MEAN"`` (the accumulator always holds the
+            mean so far: same result as MEAN, no growth of the accumulated values).
+        name: the optimizer's name.
+        mixed_precision: dynamic loss scaling (as ``LossScaleOptimizer``) at cycle level:
+            ``scale_loss`` multiplies the loss by the scale, gradients are accumulated scaled and
+            unscaled once at the boundary; a cycle with a non-finite gradient skips the update,
+            resets the accumulators and halves the scale; after ``dynamic_growth_steps`` good
+            updates the scale doubles.
+        use_agc: adaptive gradient clipping (NFNets) of the accumulated, averaged gradient.
+        clip_factor: AGC's λ.
+        eps: AGC's ε, the floor of a unit's weight norm.
+        agc_exclude: variables left unclipped by AGC: ``"final"`` (default) excludes the last
+            trainable variable of rank ≥ 2 and the rank ≤ 1 variables after it (the final
+            classifier, as in the NFNets paper); ``None`` or ``()`` clips everything; otherwise
+            an iterable of variables, layers (all their weights) or regular expressions matched
+            against variable paths.
+        leftover: what :meth:`flush` (called at the end of each epoch by
+            :class:`GradientAccumulateModel` or the :class:`FlushAccumulation` callback) does with
+            a cycle cut short by the end of the data: ``"apply"`` it with its true weight, or
+            ``"carry"`` it into the next epoch.
+        initial_scale: first loss scale when ``mixed_precision``.
+        dynamic_growth_steps: good updates between doublings of the loss scale.
+        use_core: run accumulate/apply through the C++ core (PyTorch backend only). ``None``:
+            whenever the backend is PyTorch and the core is importable.
+        **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, applied to the
+            accumulated gradient at the boundary (not per micro-batch). Learning rate, weight
+            decay, EMA and loss-scale factors belong to the inner optimizer.
+
+    Example:
+        >>> import numpy as np, keras
+        >>> from gradient_accumulator.keras import GradientAccumulateOptimizer
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=4)
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> x, y = np.ones((32, 3), "float32"), np.zeros((32, 1), "float32")
+        >>> _ = model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+        >>> int(opt.iterations)  # 8 micro-batches, 2 updates
+        2
+    """
+
+    def __init__(
+        self,
+        optimizer: Any = "SGD",
+        accum_steps: int = 1,
+        reduction: str = "MEAN",
+        name: str = "GradientAccumulateOptimizer",
+        *,
+        mixed_precision: bool = False,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        agc_exclude: Any = "final",
+        leftover: str = "apply",
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        use_core: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        accum_steps = _checks.check_accum_steps(accum_steps)
+        reduction = _checks.check_reduction(reduction)
+        mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
+        use_agc = _checks.check_bool(use_agc, "use_agc")
+        clip_factor, eps = check_agc_args(clip_factor, eps)
+        leftover = _checks.check_leftover(leftover)
+        for key in _FORBIDDEN_ON_WRAPPER:
+            if kwargs.get(key) not in (None, False):
+                raise ValueError(
+                    f"{key} is not an argument of GradientAccumulateOptimizer: set it on the inner "
+                    "optimizer (accumulation is set with accum_steps on the wrapper)"
+                )
+            kwargs.pop(key, None)
+        inner = _resolve_inner(optimizer)
+        if isinstance(inner, GradientAccumulateOptimizer):
+            raise TypeError("optimizer is already a GradientAccumulateOptimizer")
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            mixed_precision = True
+            initial_scale = float(inner.initial_scale)
+            dynamic_growth_steps = int(inner.dynamic_growth_steps)
+            inner = inner.inner_optimizer
+        if inner.gradient_accumulation_steps:
+            raise ValueError(
+                "the inner optimizer has gradient_accumulation_steps set; accumulate with the "
+                "wrapper's accum_steps only"
+            )
+        initial_scale = _checks.check_positive(initial_scale, "initial_scale")
+        dynamic_growth_steps = _checks.check_int(dynamic_growth_steps, "dynamic_growth_steps")
+        if use_core is not None:
+            use_core = _checks.check_bool(use_core, "use_core")
+            if use_core and _BACKEND != "torch":
+                raise ValueError(
+                    f"use_core=True needs the torch backend; this Keras runs on {_BACKEND}"
+                )
+        if agc_exclude is not None and not isinstance(agc_exclude, (str, Iterable)):
+            raise TypeError(
+                "agc_exclude must be 'final', None, or an iterable of variables, layers or "
+                f"patterns, got {type(agc_exclude).__name__}"
+            )
+        if isinstance(agc_exclude, str) and agc_exclude != "final":
+            agc_exclude = (agc_exclude,)
+
+        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self.optimizer = inner
+        self.accum_steps = accum_steps
+        self.reduction = reduction
+        self.mixed_precision = mixed_precision
+        self.use_agc = use_agc
+        self.clip_factor = clip_factor
+        self.eps = eps
+        self.agc_exclude = agc_exclude
+        self.leftover = leftover
+        self.initial_scale = initial_scale
+        self.dynamic_growth_steps = dynamic_growth_steps
+        self.use_core = use_core
+        # The inner optimizer's static loss-scale factor is taken over: scale_loss() is ours.
+        self._static_scale = inner.loss_scale_factor
+        inner.loss_scale_factor = None
+        self._core_plan = None
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def inner_optimizer(self) -> Any:
+        """The wrapped optimizer (also ``optimizer``)."""
+        return self.optimizer
+
+    @property
+    def iterations(self) -> Any:
+        """Updates made by the inner optimizer (not micro-steps)."""
+        return self.optimizer.iterations
+
+    @property
+    def micro_steps(self) -> Any:
+        """Micro-batches seen so far (calls of ``apply``)."""
+        return self._iterations
+
+    @property
+    def learning_rate(self) -> Any:
+        """The inner optimizer's current learning rate; settable (callbacks set it)."""
+        return self.optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: Any) -> None:
+        self.optimizer.learning_rate = learning_rate
+
+    @property
+    def variables(self) -> list[Any]:
+        """The wrapper's state (counters, loss scale, accumulators), then the inner one's."""
+        return self._variables[:] + self.optimizer.variables
+
+    @property
+    def accumulators(self) -> list[Any]:
+        """The float32 gradient accumulators, one per trainable variable."""
+        return list(self._accumulators)
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiply the loss by the current loss scale (and the inner static factor, if any)."""
+        factor = 1.0 if self._static_scale is None else float(self._static_scale)
+        if self.mixed_precision:
+            scale = self._loss_scale if self.built else self.initial_scale
+            return ops.multiply(loss, ops.cast(scale, "float32") * factor)
+        return loss if factor == 1.0 else ops.multiply(loss, factor)
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current dynamic loss scale (1.0 without ``mixed_precision``)."""
+        return self._loss_scale if self.built else self.initial_scale
+
+    # -------------------------------------------------------------------------------- build
+
+    @no_automatic_dependency_tracking
+    def build(self, var_list: Sequence[Any]) -> None:
+        """Create the accumulators and counters, then build the inner optimizer."""
+        if self.built:
+            return
+        var_list = list(var_list)
+        initial = {"batch_weight": 1.0, "loss_scale": self.initial_scale}
+        for name in _SCALARS:
+            int_like = name in ("micro_step", "growth")
+            setattr(
+                self,
+                f"_{name}",
+                self.add_variable(
+                    shape=(),
+                    dtype="int" if int_like else "float32",
+                    initializer=keras.initializers.Constant(initial.get(name, 0.0)),
+                    aggregation="only_first_replica",
+                    name=name,
+                ),
+            )
+        strategy = _strategy()
+        self._accumulators = []
+        for v in var_list:
+            path = getattr(v, "path", v.name).replace("/", "_")
+            if strategy is None:
+                acc = self.add_variable(
+                    shape=v.shape, dtype="float32", name=f"{path}_accumulator"
+                )
+            else:
+                # Replica-local: each replica sums its own gradients; read (and saved) as the
+                # mean over replicas, which restores to every replica and so keeps the sum.
+                with keras.name_scope(self.name, caller=self):
+                    acc = keras.Variable(
+                        initializer="zeros",
+                        shape=v.shape,
+                        dtype="float32",
+                        trainable=False,
+                        synchronization="on_read",
+                        aggregation="mean",
+                        name=f"{path}_accumulator",
+                    )
+                self._track_variable(acc)
+            self._accumulators.append(acc)
+        self.optimizer.build(var_list)
+        super().build(var_list)
+        self._agc_mask = self._resolve_agc_mask(var_list)
+
+    def _resolve_agc_mask(self, var_list: list[Any]) -> list[bool]:
+        """True for each variable AGC clips."""
+        if not self.use_agc:
+            return [False] * len(var_list)
+        exclude = self.agc_exclude
+        if exclude is None:
+            return [True] * len(var_list)
+        if exclude == "final":
+            mask = [True] * len(var_list)
+            last = max((i for i, v in enumerate(var_list) if len(v.shape) >= 2), default=None)
+            if last is not None:
+                for i in range(last, len(var_list)):
+                    if i == last or len(var_list[i].shape) <= 1:
+                        mask[i] = False
+            return mask
+        ids, patterns = set(), []
+        for item in exclude:
+            if isinstance(item, str):
+                patterns.append(re.compile(item))
+            elif isinstance(item, keras.layers.Layer):
+                ids.update(id(w) for w in item.weights)
+            else:
+                ids.add(id(item))
+        return [
+            not (
+                id(v) in ids
+                or any(p.search(getattr(v, "path", v.name)) for p in patterns)
+            )
+            for v in var_list
+        ]
+
+    # -------------------------------------------------------------------- shared arithmetic
+
+    def _weight(self, batch_weight: Any) -> Any:
+        return 1.0 if self.reduction == "SUM" else ops.cast(batch_weight, "float32")
+
+    def _fold(self, accs: list[Any], grads: list[Any], first: Any, w: Any, w_before: Any) -> list:
+        """New accumulator values after folding in one micro-batch (first: overwrite)."""
+        if self.reduction == "RUNNING_MEAN":
+            total = ops.maximum(w_before + w, 1e-30)
+            keep, take = w_before / total, w / total
+            return [ops.where(first, g, a * keep + g * take) for a, g in zip(accs, grads)]
+        if self.reduction == "SUM":
+            return [ops.where(first, g, a + g) for a, g in zip(accs, grads)]
+        return [ops.where(first, g * w, a + g * w) for a, g in zip(accs, grads)]
+
+    def _grad_scale(self, total_weight: Any, loss_scale: Any) -> Any:
+        scale = ops.convert_to_tensor(1.0, "float32")
+        if self.reduction == "MEAN":
+            scale = scale / ops.maximum(ops.cast(total_weight, "float32"), 1e-30)
+        if self.mixed_precision:
+            scale = scale / ops.cast(loss_scale, "float32")
+        if self._static_scale is not None:
+            scale = scale / float(self._static_scale)
+        return scale
+
+    def _final_grads(
+        self, accs: list[Any], variables: list[Any], params: list[Any], scale: Any
+    ) -> list[Any]:
+        """Averaged, unscaled, clipped gradients in the variables' dtypes.
+
+        ``params`` are the variables' current values (traced values on the functional path).
+        """
+        grads = [a * scale for a in accs]
+        if self.use_agc:
+            index = [self._get_variable_index(v) for v in variables]
+            grads = [
+                clip_one(p, g, self.clip_factor, self.eps) if self._agc_mask[i] else g
+                for p, g, i in zip(params, grads, index)
+            ]
+        grads = self._clip_gradients(grads)
+        return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
+
+    @staticmethod
+    def _dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        out = []
+        for g, v in zip(grads, variables):
+            if g is None:
+                out.append(ops.zeros(v.shape, "float32"))
+            else:
+                out.append(ops.cast(ops.convert_to_tensor(g), "float32"))
+        return out
+
+    @staticmethod
+    def _all_finite(grads: list[Any]) -> Any:
+        return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+
+    def _grown_scale(self, loss_scale: Any, growth: Any) -> tuple[Any, Any]:
+        """Loss scale and growth counter after one good update."""
+        grow = ops.greater_equal(growth + 1, self.dynamic_growth_steps)
+        return (
+            ops.where(grow, loss_scale * 2.0, loss_scale),
+            ops.where(grow, ops.zeros_like(growth), growth + 1),
+        )
+
+    # ---------------------------------------------------------------------------- apply
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        """Fold one micro-batch of gradients in; update through the inner optimizer at the boundary.
+
+        Args:
+            grads: one gradient per variable (None counts as zero).
+            trainable_variables: the variables; on the first call they build the optimizer.
+        """
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("call build(trainable_variables) or pass trainable_variables")
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        grads = list(grads)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"grads and trainable_variables differ in length: {len(grads)} vs "
+                f"{len(trainable_variables)}"
+            )
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        self._check_variables_are_known(trainable_variables)
+        if _BACKEND == "jax":
+            self._jax_stateful(grads, trainable_variables)
+        elif _BACKEND == "torch" and self._core_enabled():
+            from gradient_accumulator.keras import _core_path
+
+            _core_path.apply(self, grads, trainable_variables)
+        else:
+            self._stateful_apply(grads, trainable_variables)
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+        """``apply`` on ``(gradient, variable)`` pairs; returns the micro-step counter."""
+        grads, variables = zip(*grads_and_vars)
+        self.apply(list(grads), list(variables))
+        return self._iterations
+
+    def _core_enabled(self) -> bool:
+        if self.use_core is False:
+            return False
+        try:
+            from gradient_accumulator._loader import load_core
+
+            load_core()
+        except ImportError:
+            if self.use_core:
+                raise
+            return False
+        return True
+
+    # Stateful path (TensorFlow graphs and replicas, eager PyTorch without the core). --------
+
+    def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
+        grads = self._dense(grads, variables)
+        accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        first = ops.equal(self._micro_step, 0)
+        w = self._weight(self._batch_weight)
+        w_before = ops.where(first, 0.0, self._total_weight)
+        for acc, value in zip(accs, self._fold([a.value for a in accs], grads, first, w, w_before)):
+            acc.assign(value)
+        if self.mixed_precision:
+            bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
+            self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
+        self._total_weight.assign(w_before + w)
+        self._micro_step.assign_add(1)
+        self._iterations.assign_add(1)
+        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables)
+
+    def _end_cycle(self, boundary: Any, variables: list[Any]) -> None:
+        """If ``boundary``: update (unless the cycle was non-finite), rescale, reset counters.
+
+        Only the inner update sits in a conditional; the counters and the loss scale are
+        selected outside it, so no replica synchronisation happens inside a branch.
+        """
+        strategy = _strategy()
+        nonfinite = self._nonfinite.value
+        if strategy is not None and self.mixed_precision:
+            import tensorflow as tf
+
+            ctx = tf.distribute.get_replica_context()
+            nonfinite = ops.cond(
+                boundary, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite),
+                lambda: nonfinite,
+            )
+        skip = ops.greater(nonfinite, 0.0) if self.mixed_precision else False
+        do_update = ops.logical_and(boundary, ops.logical_not(skip))
+        if strategy is not None and not _no_merge_call():
+            import tensorflow as tf
+
+            def cross_replica(distribution: Any, do_update: Any) -> None:
+                pred = distribution.experimental_local_results(do_update)[0]
+                ops.cond(
+                    pred,
+                    lambda: distribution.extended.call_for_each_replica(
+                        self._inner_update, args=(variables,)
+                    ),
+                    lambda: None,
+                )
+
+            tf.distribute.get_replica_context().merge_call(cross_replica, args=(do_update,))
+        else:
+            ops.cond(do_update, lambda: self._inner_update(variables), lambda: None)
+        if self.mixed_precision:
+            scale, growth = self._grown_scale(self._loss_scale.value, self._growth.value)
+            scale = ops.where(skip, self._loss_scale * 0.5, scale)
+            growth = ops.where(skip, ops.zeros_like(growth), growth)
+            self._loss_scale.assign(ops.where(boundary, scale, self._loss_scale))
+            self._growth.assign(ops.where(boundary, growth, self._growth))
+        self._micro_step.assign(ops.where(boundary, ops.zeros_like(self._micro_step.value),
+                                          self._micro_step))
+        self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
+        self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
+
+    def _inner_update(self, variables: list[Any]) -> None:
+        """The inner optimizer's update with the cycle's averaged gradient (replica context)."""
+        accs = [self._accumulators[self._get_variable_index(v)].value for v in variables]
+        strategy = _strategy()
+        clips = self.use_agc or any(
+            c is not None for c in (self.clipnorm, self.clipvalue, self.global_clipnorm)
+        )
+        replicas = 1
+        if strategy is not None and clips:
+            import tensorflow as tf
+
+            # Clipping needs the reduced gradient; the inner optimizer sums over replicas
+            # again, so it gets 1/R of the (identical) clipped value.
+            accs = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, accs
+            )
+            replicas = strategy.num_replicas_in_sync
+        grads = self._final_grads(
+            accs,
+            variables,
+            [v.value for v in variables],
+            self._grad_scale(self._total_weight, self._loss_scale),
+        )
+        if replicas > 1:
+            grads = [g / replicas for g in grads]
+        self.optimizer.apply(grads, variables)
+
+    # Functional path (JAX). --------------------------------------------------------------
+
+    def _own(self, optimizer_variables: Sequence[Any]) -> dict[str, Any]:
+        values = dict(zip([id(v) for v in self.variables], optimizer_variables))
+        own = {name: values[id(getattr(self, f"_{name}"))] for name in _SCALARS}
+        own["iterations"] = values[id(self._iterations)]
+        own["accs"] = [values[id(a)] for a in self._accumulators]
+        return own
+
+    def _pack(self, optimizer_variables: Sequence[Any], own: dict, inner: Sequence[Any]) -> list:
+        by_id = {id(getattr(self, f"_{name}")): own[name] for name in _SCALARS}
+        by_id[id(self._iterations)] = own["iterations"]
+        by_id.update({id(a): v for a, v in zip(self._accumulators, own["accs"])})
+        out = [by_id.get(id(v), val) for v, val in zip(self._variables, optimizer_variables)]
+        return out + list(inner)
+
+    def stateless_apply(
+        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """Functional ``apply``: returns new trainable and optimizer variable values.
+
+        Non-boundary micro-steps compute the accumulate only: the update runs in one branch of
+        a conditional (``lax.cond`` under JAX).
+        """
+        if not self.built:
+            raise ValueError(
+                "GradientAccumulateOptimizer must be built before stateless_apply: call "
+                "build(trainable_variables)"
+            )
+        optimizer_variables = list(optimizer_variables)
+        trainable_variables = list(trainable_variables)
+        n_own = len(self._variables)
+        own = self._own(optimizer_variables)
+        inner_values = optimizer_variables[n_own:]
+        grads = self._dense(grads, self._trainable_variables)
+
+        first = ops.equal(own["micro_step"], 0)
+        w = self._weight(own["batch_weight"])
+        w_before = ops.where(first, 0.0, own["total_weight"])
+        own["accs"] = self._fold(own["accs"], grads, first, w, w_before)
+        if self.mixed_precision:
+            bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
+            own["nonfinite"] = ops.maximum(ops.where(first, 0.0, own["nonfinite"]), bad)
+        own["total_weight"] = ops.cast(w_before + w, "float32")
+        own["micro_step"] = own["micro_step"] + 1
+        own["iterations"] = own["iterations"] + 1
+        boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
+        new_tv, own, new_inner = self._stateless_cycle_end(
+            boundary, own, inner_values, trainable_variables
+        )
+        return new_tv, self._pack(optimizer_variables, own, new_inner)
+
+    def _stateless_cycle_end(
+        self, boundary: Any, own: dict, inner_values: list, trainable_values: list
+    ) -> tuple[list, dict, list]:
+        """If ``boundary``: update through the inner optimizer and reset the counters."""
+        carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite")
+
+        def update() -> tuple:
+            grads = self._final_grads(
+                own["accs"],
+                self._trainable_variables,
+                trainable_values,
+                self._grad_scale(own["total_weight"], own["loss_scale"]),
+            )
+
+            def good() -> tuple:
+                tv, inner = self.optimizer.stateless_apply(inner_values, grads, trainable_values)
+                if self.mixed_precision:
+                    scale, growth = self._grown_scale(own["loss_scale"], own["growth"])
+                else:
+                    scale, growth = own["loss_scale"], own["growth"]
+                return list(tv), list(inner), scale, growth
+
+            def bad() -> tuple:
+                return (
+                    list(trainable_values), list(inner_values), own["loss_scale"] * 0.5,
+                    ops.zeros_like(own["growth"]),
+                )
+
+            if self.mixed_precision:
+                tv, inner, scale, growth = ops.cond(ops.greater(own["nonfinite"], 0.0), bad, good)
+            else:
+                tv, inner, scale, growth = good()
+            return (
+                tv, inner, scale, growth, ops.zeros_like(own["micro_step"]),
+                ops.zeros_like(own["total_weight"]), ops.zeros_like(own["nonfinite"]),
+            )
+
+        def keep() -> tuple:
+            return (list(trainable_values), list(inner_values), *[own[k] for k in carried])
+
+        tv, inner, *rest = ops.cond(boundary, update, keep)
+        own = dict(own)
+        own.update(zip(carried, rest))
+        return tv, own, inner
+
+    def _jax_stateful(self, grads: list[Any], variables: list[Any]) -> None:
+        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
+            index = {id(v): i for i, v in enumerate(variables)}
+            grads = [grads[index[id(v)]] if id(v) in index else None
+                     for v in self._trainable_variables]
+        tv, ov = self.stateless_apply(
+            [v.value for v in self.variables], grads, [v.value for v in self._trainable_variables]
+        )
+        for var, value in zip(self._trainable_variables, tv):
+            var.assign(value)
+        for var, value in zip(self.variables, ov):
+            var.assign(value)
+
+    # ---------------------------------------------------------------------------- flush
+
+    def pending(self) -> int:
+        """Micro-batches accumulated in the current, unfinished cycle."""
+        return int(ops.convert_to_numpy(self._micro_step)) if self.built else 0
+
+    def flush(self) -> bool:
+        """Apply a cycle cut short (end of data) with its true weight, now.
+
+        Does nothing when no micro-batch is pending or ``leftover="carry"``; call it outside
+        compiled functions (callbacks do). Under JAX ``fit``, sync the model's state first
+        (``model.jax_state_sync()``); the :class:`FlushAccumulation` callback does.
+
+        Returns:
+            True if an update was made (or skipped as non-finite).
+        """
+        if self.leftover == "carry" or self.pending() == 0:
+            return False
+        variables = self._trainable_variables
+        if _BACKEND == "jax":
+            optimizer_values = [v.value for v in self.variables]
+            own = self._own(optimizer_values)
+            inner_values = optimizer_values[len(self._variables):]
+            tv, own, inner = self._stateless_cycle_end(
+                ops.convert_to_tensor(True), own, inner_values, [v.value for v in variables]
+            )
+            for var, value in zip(variables, tv):
+                var.assign(value)
+            for var, value in zip(self.variables, self._pack(optimizer_values, own, inner)):
+                var.assign(value)
+        elif _BACKEND == "torch" and self._core_enabled():
+            from gradient_accumulator.keras import _core_path
+
+            _core_path.boundary(self, variables)
+        elif _strategy() is not None:
+            import tensorflow as tf
+
+            strategy = _strategy()
+            tf.function(
+                lambda: strategy.run(self._end_cycle, args=(tf.constant(True), variables))
+            )()
+        else:
+            self._end_cycle(ops.convert_to_tensor(True), variables)
+        return True
+
+    # --------------------------------------------------------------------------- config
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """Delegates to the inner optimizer (EMA)."""
+        self.optimizer.finalize_variable_values(var_list)
+
+    def get_config(self) -> dict[str, Any]:
+        """Serializable config: the inner optimizer's and the accumulation settings."""
+        exclude = self.agc_exclude
+        if exclude is not None and not isinstance(exclude, str):
+            exclude = [e for e in exclude if isinstance(e, str)]
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.optimizer),
+            "accum_steps": self.accum_steps,
+            "reduction": self.reduction,
+            "mixed_precision": self.mixed_precision,
+            "use_agc": self.use_agc,
+            "clip_factor": self.clip_factor,
+            "eps": self.eps,
+            "agc_exclude": exclude,
+            "leftover": self.leftover,
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+            "use_core": self.use_core,
+            "clipnorm": self.clipnorm,
+            "clipvalue": self.clipvalue,
+            "global_clipnorm": self.global_clipnorm,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        """Inverse of :meth:`get_config`."""
+        config = copy.deepcopy(config)
+        config["optimizer"] = keras.saving.deserialize_keras_object(
+            config["optimizer"], custom_objects=custom_objects
+        )
+        return cls(**config)

@@ -1,0 +1,110 @@
+"""Data-parallel training on two devices gives the single-device big-batch weights.
+
+TensorFlow: ``tf.distribute.MirroredStrategy`` over two logical CPUs; each replica accumulates
+its own gradients (replica-local accumulators) and they are all-reduced once per cycle.
+JAX: ``keras.distribution.DataParallel`` over two host devices (the original's
+test_model_distribute and test_distributed_optimizer_invariance, with weight assertions).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from keras_helpers import BACKEND, TOL, data, flat, make_inner, mlp, rel_diff
+
+from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+
+if BACKEND == "torch":
+    pytest.skip("Keras has no multi-device distribution on the torch backend",
+                allow_module_level=True)
+
+ACCUM, MICRO = 4, 4
+
+
+def _reference(name, use_agc):
+    x, y = data()
+    inputs, outputs = mlp()
+    model = keras.Model(inputs, outputs)
+    opt = GradientAccumulateOptimizer(make_inner(name), accum_steps=1, use_agc=use_agc)
+    model.compile(opt, loss="mse")
+    model.fit(x, y, batch_size=ACCUM * MICRO, epochs=2, shuffle=False, verbose=0)
+    return flat(model)
+
+
+def _build(wrapper, name, use_agc):
+    inputs, outputs = mlp()
+    if wrapper == "model":
+        model = GradientAccumulateModel(accum_steps=ACCUM, use_agc=use_agc, inputs=inputs,
+                                        outputs=outputs)
+        model.compile(make_inner(name), loss="mse")
+    else:
+        model = keras.Model(inputs, outputs)
+        model.compile(GradientAccumulateOptimizer(make_inner(name), accum_steps=ACCUM,
+                                                  use_agc=use_agc), loss="mse")
+    return model
+
+
+def _scope():
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        assert strategy.num_replicas_in_sync == 2
+        return strategy, strategy.scope()
+    import contextlib
+
+    import jax
+
+    devices = jax.devices()
+    assert len(devices) == 2
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    return None, contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("use_agc", [False, True], ids=["plain", "agc"])
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_two_replicas_match_single_device_big_batch(wrapper, name, use_agc):
+    ref = _reference(name, use_agc)
+    x, y = data()
+    _, scope = _scope()
+    with scope:
+        model = _build(wrapper, name, use_agc)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert rel_diff(flat(model), ref) <= TOL
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 8
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="replica-local state is tf.distribute's")
+def test_no_reduction_before_the_boundary():
+    """Mid-cycle, each replica's accumulator holds its own shard's sum: nothing was reduced."""
+    x, y = data(8)
+    strategy, scope = _scope()
+    with scope:
+        model = _build("model", "SGD", False)
+    model.optimizer.leftover = "carry"
+    before = flat(model)
+    model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    opt = model.optimizer
+    assert opt.pending() == 2 and int(keras.ops.convert_to_numpy(opt.iterations)) == 0
+    np.testing.assert_array_equal(flat(model), before)
+    first, second = (np.asarray(v) for v in
+                     strategy.experimental_local_results(opt.accumulators[0].value))
+    assert np.abs(first - second).max() > 1e-3 * np.abs(first).max()
+    model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 1
+
+
+def test_save_and_load_under_distribution(tmp_path):
+    """The original's test_model_distribute: train, save, load, same predictions."""
+    x, y = data()
+    _, scope = _scope()
+    with scope:
+        model = _build("model", "SGD", False)
+    model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / "dist.keras")
+    loaded = keras.models.load_model(tmp_path / "dist.keras")
+    assert loaded.get_config()["accum_steps"] == ACCUM
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)

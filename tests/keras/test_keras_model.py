@@ -1,0 +1,242 @@
+"""GradientAccumulateModel: the original package's model-wrapper scenarios on synthetic data,
+with assertions on weights (not accuracy), plus epoch ends, saving and resuming mid-cycle."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from keras_helpers import TOL, data, flat, mlp, rel_diff
+
+from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+
+
+def _sgd():
+    return keras.optimizers.SGD(0.05)
+
+
+def _fit_pair(x, y, *, accum, micro, epochs=1, builder=mlp, fit_kwargs=None, compile_kwargs=None,
+              leftover="apply", sample_weight=None):
+    """(plain model trained with batch accum·micro, model wrapper trained with micro × accum)."""
+    fit_kwargs = dict(fit_kwargs or {}, epochs=epochs, shuffle=False, verbose=0)
+    compile_kwargs = compile_kwargs or {"loss": "mse"}
+    inputs, outputs = builder()
+    big = keras.Model(inputs, outputs)
+    big.compile(_sgd(), **compile_kwargs)
+    big.fit(x, y, batch_size=accum * micro, sample_weight=sample_weight, **fit_kwargs)
+    inputs, outputs = builder()
+    acc = GradientAccumulateModel(accum_steps=accum, leftover=leftover, inputs=inputs,
+                                  outputs=outputs)
+    acc.compile(_sgd(), **compile_kwargs)
+    acc.fit(x, y, batch_size=micro, sample_weight=sample_weight, **fit_kwargs)
+    return big, acc
+
+
+def test_expected_result_both_wrappers():
+    """The original's test_expected_result: bs 16 plain = bs 8 × 2, model and optimizer wrapper."""
+    x, y = data(64)
+    big, acc = _fit_pair(x, y, accum=2, micro=8, epochs=2)
+    inputs, outputs = mlp()
+    opt_model = keras.Model(inputs, outputs)
+    opt_model.compile(GradientAccumulateOptimizer(_sgd(), accum_steps=2), loss="mse")
+    opt_model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert rel_diff(flat(acc), flat(big)) <= TOL
+    assert rel_diff(flat(opt_model), flat(big)) <= TOL
+    assert rel_diff(flat(big), flat(keras.Model(*mlp()))) > 1e-2  # training moved the weights
+
+
+def test_multitask_two_inputs_two_outputs():
+    """The original's test_multitask: 2 inputs, 2 outputs (MSE + cross-entropy), loss weights."""
+    rng = np.random.default_rng(5)
+    n = 48
+    xa = rng.normal(size=(n, 5)).astype("float32")
+    xb = rng.normal(size=(n, 3)).astype("float32")
+    y_reg = rng.normal(size=(n, 2)).astype("float32")
+    y_cls = rng.integers(0, 4, size=(n,))
+
+    def builder():
+        keras.utils.set_random_seed(1)
+        a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+        reg = keras.layers.Dense(2, name="reg")(h)
+        cls = keras.layers.Dense(4, activation="softmax", name="cls")(h)
+        return [a, b], [reg, cls]
+
+    compile_kwargs = {
+        "loss": ["mse", "sparse_categorical_crossentropy"],
+        "loss_weights": [1.0, 0.5],
+        "metrics": [["mae"], ["accuracy"]],
+    }
+    big, acc = _fit_pair([xa, xb], [y_reg, y_cls], accum=2, micro=8, epochs=2, builder=builder,
+                         compile_kwargs=compile_kwargs)
+    assert rel_diff(flat(acc), flat(big)) <= TOL
+    np.testing.assert_allclose(
+        acc.evaluate([xa, xb], [y_reg, y_cls], verbose=0),
+        big.evaluate([xa, xb], [y_reg, y_cls], verbose=0),
+        rtol=1e-5,
+    )
+    pred_acc, pred_big = acc.predict([xa, xb], verbose=0), big.predict([xa, xb], verbose=0)
+    for p, q in zip(pred_acc, pred_big):
+        np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_sample_weight_and_uneven_last_batch():
+    """60 samples: big batches 16,16,16,12 vs micro-batches 8×7 + 4, with sample weights.
+
+    Each micro-batch counts by its number of samples, so the last cycle (8 + 4) matches the big
+    batch of 12.
+    """
+    x, y = data(60)
+    sw = np.random.default_rng(2).uniform(0.5, 2.0, size=60).astype("float32")
+    big, acc = _fit_pair(x, y, accum=2, micro=8, epochs=2, sample_weight=sw)
+    assert rel_diff(flat(acc), flat(big)) <= TOL
+
+
+def test_short_last_cycle_applied_with_true_weight():
+    """40 samples, k=4, micro 4: cycles 16, 16 and a short one of 8, applied at the epoch end."""
+    x, y = data(40)
+    big, acc = _fit_pair(x, y, accum=4, micro=4, epochs=3)
+    assert rel_diff(flat(acc), flat(big)) <= TOL
+    assert int(acc.optimizer.iterations) == 9 and acc.optimizer.pending() == 0
+
+
+def test_short_last_cycle_carried_over():
+    """leftover="carry": the 2 leftover micro-batches open the next epoch's first cycle."""
+    x, y = data(40)
+    inputs, outputs = mlp()
+    carry = GradientAccumulateModel(accum_steps=4, leftover="carry", inputs=inputs,
+                                    outputs=outputs)
+    carry.compile(_sgd(), loss="mse")
+    carry.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(carry.optimizer.iterations) == 2 and carry.optimizer.pending() == 2
+    carry.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(carry.optimizer.iterations) == 5 and carry.optimizer.pending() == 0
+    # Same stream of 20 micro-batches in 5 full cycles as one fit over the data twice, k·b = 16.
+    inputs, outputs = mlp()
+    big = keras.Model(inputs, outputs)
+    big.compile(_sgd(), loss="mse")
+    xx, yy = np.concatenate([x, x]), np.concatenate([y, y])
+    big.fit(xx, yy, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert rel_diff(flat(carry), flat(big)) <= TOL
+
+
+def test_validation_sees_the_flushed_weights():
+    x, y = data(40)
+    inputs, outputs = mlp()
+    model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+    model.compile(_sgd(), loss="mse")
+    hist = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                     validation_data=(x, y))
+    assert hist.history["val_loss"][0] == pytest.approx(model.evaluate(x, y, verbose=0), rel=1e-5)
+
+
+def test_param_count_unchanged():
+    """The original's test_param_count: wrapping adds no weight."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((10,))
+    x = keras.layers.Dense(32)(inputs)
+    x = keras.layers.Dense(16)(x)
+    outputs = keras.layers.Dense(1)(x)
+    plain = keras.Model(inputs, outputs)
+    wrapped = GradientAccumulateModel(accum_steps=4, inputs=plain.input, outputs=plain.output)
+    assert wrapped.count_params() == plain.count_params() == 10 * 32 + 32 + 32 * 16 + 16 + 17
+    assert len(wrapped.weights) == len(plain.weights)
+
+
+def test_save_and_load_keras_format(tmp_path):
+    x, y = data(32)
+    inputs, outputs = mlp()
+    model = GradientAccumulateModel(accum_steps=4, use_agc=True, clip_factor=0.05,
+                                    inputs=inputs, outputs=outputs)
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, GradientAccumulateModel)
+    config = loaded.get_config()
+    assert (config["accum_steps"], config["use_agc"], config["clip_factor"]) == (4, True, 0.05)
+    assert isinstance(loaded.optimizer, GradientAccumulateOptimizer)
+    assert loaded.optimizer.accum_steps == 4
+    np.testing.assert_allclose(flat(loaded), flat(model))
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_resume_mid_cycle(tmp_path, name):
+    """Saved after 6 micro-batches (k=4), reloaded, 2 more: same as 8 without stopping."""
+    x, y = data(32)
+    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 32, 4)]
+
+    def new_model():
+        inputs, outputs = mlp()
+        model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+        opt = keras.optimizers.SGD(0.05, momentum=0.9) if name == "SGD" else \
+            keras.optimizers.Adam(0.01)
+        model.compile(opt, loss="mse")
+        return model
+
+    straight = new_model()
+    for xb, yb in batches:
+        straight.train_on_batch(xb, yb)
+    first = new_model()
+    for xb, yb in batches[:6]:
+        first.train_on_batch(xb, yb)
+    assert first.optimizer.pending() == 2
+    first.save(tmp_path / "mid.keras")
+    resumed = keras.models.load_model(tmp_path / "mid.keras")
+    assert resumed.optimizer.pending() == 2
+    for xb, yb in batches[6:]:
+        resumed.train_on_batch(xb, yb)
+    assert int(resumed.optimizer.iterations) == 2
+    assert rel_diff(flat(resumed), flat(straight)) <= 1e-6
+
+
+def test_apply_and_reinit_like_the_original():
+    x, y = data(8)
+    inputs, outputs = mlp()
+    model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+    model.compile(_sgd(), loss="mse")
+    model.train_on_batch(x[:4], y[:4])
+    before = flat(model)
+    model.reinit_grad_accum()
+    assert model.optimizer.pending() == 0 and not model.apply_accu_gradients()
+    model.train_on_batch(x[4:], y[4:])
+    assert model.apply_accu_gradients()
+    assert int(model.optimizer.iterations) == 1
+    # Only the second batch was applied: same as one plain step on it.
+    inputs, outputs = mlp()
+    plain = keras.Model(inputs, outputs)
+    plain.compile(_sgd(), loss="mse")
+    plain.train_on_batch(x[4:], y[4:])
+    assert rel_diff(flat(model), flat(plain)) <= TOL
+    assert rel_diff(flat(model), before) > 1e-4
+
+
+def test_compile_with_a_wrapped_optimizer():
+    inputs, outputs = mlp()
+    model = GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
+    opt = GradientAccumulateOptimizer("adam", accum_steps=2)
+    model.compile(opt, loss="mse")
+    assert model.optimizer is opt
+    with pytest.raises(ValueError, match="accum_steps"):
+        model.compile(GradientAccumulateOptimizer("adam", accum_steps=3), loss="mse")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"accum_steps": 0}, ValueError, "accum_steps"),
+        ({"accum_steps": 1.5}, TypeError, "accum_steps"),
+        ({"use_agc": "no"}, TypeError, "use_agc"),
+        ({"clip_factor": 0}, ValueError, "clip_factor"),
+        ({"eps": -1.0}, ValueError, "eps"),
+        ({"leftover": "x"}, ValueError, "leftover"),
+        ({"mixed_precision": 2}, TypeError, "mixed_precision"),
+    ],
+)
+def test_bad_arguments(kwargs, error, name):
+    inputs, outputs = mlp()
+    with pytest.raises(error, match=name):
+        GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
