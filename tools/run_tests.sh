@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Runs the whole pytest suite against the installed package. Framework suites that need a fresh
-# interpreter (one Keras backend per process) run in their own pytest process.
+# Runs the whole pytest suite against the installed package: the core and PyTorch tests in one
+# process, then the Keras tests once per backend, each in a fresh interpreter (Keras fixes its
+# backend at import). Any failing process, or one that collects no test, fails the run.
+# Usage: tools/run_tests.sh [extra pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 # Import the installed package rather than the checkout (which has no compiled module in CI).
 cd tests
-python -m pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml . "$@"
+run() { python -m pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml "$@"; }
+run . --ignore=keras "$@"
+for backend in torch jax tensorflow; do
+  echo "== Keras tests, KERAS_BACKEND=$backend =="
+  KERAS_BACKEND=$backend run keras "$@"
+done

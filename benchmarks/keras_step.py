@@ -1,0 +1,168 @@
+"""Keras 3 step time on the CPU: our accumulation against plain ``fit`` and Keras's built-in one.
+
+For each backend (one subprocess each, since Keras fixes its backend at import) the same MLP is
+trained with micro-batches of ``--batch`` through ``model.fit``:
+
+* ``plain fit``: no accumulation, one optimizer update per batch (the floor of the loop);
+* ``keras gradient_accumulation_steps``: the optimizer's built-in accumulation (k batches per
+  update);
+* ``GradientAccumulateOptimizer``: ours, wrapping the same Adam (k batches per update);
+* ``GradientAccumulateModel``: ours, the original package's model wrapper.
+
+Implementations are timed round-robin in the same process (one epoch of each per repeat, after a
+warm-up epoch that compiles the step), and the figure is the median over repeats of the time per
+micro-batch. Before timing, each accumulating run's weights after one epoch are compared with the
+built-in accumulation's (same data, Adam, same k): the cross-check column shows max|Δw| / max|w|
+(large for plain fit, which updates every batch).
+
+Usage:
+    python benchmarks/keras_step.py                       # tensorflow, jax and torch
+    python benchmarks/keras_step.py --backends jax --small
+    python benchmarks/keras_step.py --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+
+def run_backend(args: argparse.Namespace) -> dict:
+    """Runs inside a subprocess whose KERAS_BACKEND is already set."""
+    import keras
+    import numpy as np
+
+    try:
+        from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+    except ImportError:  # run from a checkout
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+
+    k, batch, width = args.accum_steps, args.batch, args.width
+    steps = args.steps - args.steps % k
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * batch, args.features)).astype("float32")
+    y = rng.integers(0, 10, size=(steps * batch,)).astype("int32")
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((args.features,))
+        h = inputs
+        for _ in range(args.depth):
+            h = keras.layers.Dense(width, activation="relu")(h)
+        return inputs, keras.layers.Dense(10)(h)
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def build(kind: str):
+        inputs, outputs = layers()
+        if kind == "model":
+            model = GradientAccumulateModel(accum_steps=k, inputs=inputs, outputs=outputs)
+            model.compile(keras.optimizers.Adam(1e-3), loss=loss)
+            return model
+        model = keras.Model(inputs, outputs)
+        if kind == "plain":
+            opt = keras.optimizers.Adam(1e-3)
+        elif kind == "builtin":
+            opt = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
+        else:
+            opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=k)
+        model.compile(opt, loss=loss)
+        return model
+
+    labels = {
+        "plain": "plain fit (update every batch)",
+        "builtin": f"keras gradient_accumulation_steps={k}",
+        "optimizer": f"*GradientAccumulateOptimizer(k={k})",
+        "model": f"*GradientAccumulateModel(k={k})",
+    }
+    models = {kind: build(kind) for kind in labels}
+
+    def flat(model):
+        return np.concatenate([np.ravel(w).astype(np.float64) for w in model.get_weights()])
+
+    def fit(model):
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+
+    # Warm-up epoch (compiles the step) doubles as the cross-check: one epoch from equal weights.
+    for model in models.values():
+        fit(model)
+    ref = flat(models["builtin"])
+    # The plain run updates every batch: its (large) difference shows that the check can fail.
+    check = {kind: float(np.abs(flat(m) - ref).max() / np.abs(ref).max())
+             for kind, m in models.items()}
+    times: dict[str, list[float]] = {kind: [] for kind in labels}
+    for _ in range(args.repeats):
+        for kind, model in models.items():
+            t0 = time.perf_counter()
+            fit(model)
+            times[kind].append((time.perf_counter() - t0) / steps)
+    params = sum(int(np.prod(w.shape)) for w in models["plain"].trainable_weights)
+    return dict(
+        backend=keras.backend.backend(),
+        params=params,
+        steps=steps,
+        rows=[
+            dict(kind=kind, label=labels[kind], ms=1e3 * statistics.median(times[kind]),
+                 check=check[kind])
+            for kind in labels
+        ],
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default="tensorflow,jax,torch")
+    p.add_argument("--accum-steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--features", type=int, default=256)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--steps", type=int, default=128, help="micro-batches per timed epoch")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--small", action="store_true", help="tiny model, few steps (smoke test)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.small:
+        args.width, args.depth, args.steps, args.repeats = 64, 2, 32, 2
+    if args.child:
+        print(json.dumps(run_backend(args)))
+        return 0
+
+    print(f"machine: {platform.processor() or platform.machine()}, cores={os.cpu_count()}, "
+          f"python={platform.python_version()}")
+    print(f"micro-batch {args.batch}, k={args.accum_steps}, MLP {args.features}→"
+          f"{args.width}×{args.depth}→10, Adam; {args.repeats} repeats of one epoch each")
+    results = []
+    child = [a for a in sys.argv[1:] if not a.startswith("--backends")]
+    for backend in args.backends.split(","):
+        env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run([sys.executable, __file__, "--child", *child], env=env,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"\n== {backend}: failed ==\n{out.stderr[-2000:]}")
+            continue
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        results.append(res)
+        ours = next(r["ms"] for r in res["rows"] if r["kind"] == "optimizer")
+        print(f"\n== {backend} ({res['params']:,} parameters, {res['steps']} micro-batches) ==")
+        print(f"{'implementation':42s} {'ms/micro-batch':>14s} {'vs ours':>8s} {'Δw vs built-in':>15s}")
+        for r in res["rows"]:
+            check = f"{r['check']:.1e}"
+            print(f"{r['label']:42s} {r['ms']:14.3f} {r['ms'] / ours:7.2f}x {check:>15s}")
+    print("\n* = ours; 'vs ours' = time / GradientAccumulateOptimizer's time (> 1: ours faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if len(results) == len(args.backends.split(",")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
