@@ -13,6 +13,14 @@ from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
 __all__ = ["accumulate"]
 
 
+def _is_multi_rank_ddp(model: torch.nn.Module) -> bool:
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return False
+    import torch.distributed as dist
+
+    return dist.get_world_size(model.process_group) > 1
+
+
 @contextlib.contextmanager
 def accumulate(
     model: torch.nn.Module,
@@ -21,10 +29,15 @@ def accumulate(
 ) -> Iterator[bool]:
     """Run one micro-batch's forward and backward inside this context.
 
-    If ``model`` is wrapped in ``torch.nn.parallel.DistributedDataParallel`` and the next
-    ``optimizer.step()`` does not end a cycle, DDP's gradient all-reduce is switched off
-    (``no_sync``), so gradients cross the network once per update instead of once per
-    micro-batch. For any other model it only tells the optimizer the micro-batch's weight.
+    If ``model`` is wrapped in ``torch.nn.parallel.DistributedDataParallel``, DDP's gradient
+    all-reduce is switched off (``no_sync``) and the optimizer's own reduction — one bucketed
+    round per cycle, weighted exactly across ranks — takes its place, so gradients cross the
+    network once per update instead of once per micro-batch. (DDP alone cannot be exact here:
+    at the boundary it would average only the last micro-batch's ``.grad``, the others being
+    already in the optimizer's accumulators; an optimizer created with ``process_group=False``
+    is therefore refused for a DDP model over several ranks.) A model that merely offers
+    ``no_sync`` with a non-distributed optimizer gets it on the non-boundary micro-batches.
+    For any other model it only tells the optimizer the micro-batch's weight.
 
     Args:
         model: the model, DDP-wrapped or not.
@@ -59,6 +72,21 @@ def accumulate(
         optimizer._next_weight = float(weight)
     boundary = optimizer.is_boundary_next()
     no_sync = getattr(model, "no_sync", None)
+    if optimizer._distributed and no_sync is not None:
+        # The optimizer reduces its accumulators itself, once per cycle and weighted exactly:
+        # DDP stays silent on every micro-batch, the boundary included.
+        with no_sync():
+            yield boundary
+        return
+    if _is_multi_rank_ddp(model):
+        # DDP's boundary all-reduce would average only the last micro-batch's .grad: the
+        # optimizer has already folded the others into its accumulators.
+        raise ValueError(
+            "optimizer does not reduce its accumulators (process_group=False), so a "
+            "DistributedDataParallel model over several ranks would average only the last "
+            "micro-batch of each cycle; create the optimizer with process_group=None (the "
+            "default group) or the model's process group"
+        )
     if boundary or no_sync is None:
         yield boundary
     else:

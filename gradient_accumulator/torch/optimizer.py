@@ -87,9 +87,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             cycle. By default the default group is used when torch.distributed is initialised
             with more than one rank. Per-rank weights are summed in the same round, so the
             update is the exact weighted mean over all ranks' micro-batches. Use it with an
-            unwrapped model (it replaces DDP's reduction), or with a DDP model inside
-            :func:`accumulate` (DDP stays silent until the boundary, where it averages
-            ``.grad``; the wrapper then does not reduce again — pass ``process_group=False``).
+            unwrapped model (it replaces DDP's reduction), or with a DDP model whose forward
+            and backward run inside :func:`accumulate` (DDP then stays silent on every
+            micro-batch and this reduction replaces its own). ``False``: never reduce.
         bucket_cap_mb: size of a reduction bucket (one collective each), in MiB.
         overlap_reduce: start each bucket's reduction during the last micro-batch's backward, as
             soon as its gradients are final (needs the micro-batch's weight before the

@@ -119,6 +119,18 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
             _make_opt(cfg, model.parameters()), cfg["k"], max_grad_norm=cfg["clip"],
             overlap_reduce=cfg["overlap"], reduce_timeout=60,
         )
+        net = model
+        ddp_rounds = {"n": 0}
+        if cfg.get("ddp"):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model = nn.parallel.DistributedDataParallel(net)
+
+            def counting_hook(state, bucket):  # DDP's own all-reduce, if it ever runs
+                ddp_rounds["n"] += 1
+                return default_hooks.allreduce_hook(None, bucket)
+
+            model.register_comm_hook(None, counting_hook)
         x, y = _data(cfg)
         calls = []
         count = {"n": 0}
@@ -140,8 +152,9 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
         dist.all_reduce = real
         torch.save(
             {
-                "state": {k: v.clone() for k, v in model.state_dict().items()},
+                "state": {k: v.clone() for k, v in net.state_dict().items()},
                 "calls": calls,
+                "ddp_rounds": ddp_rounds["n"],
                 "bytes": opt.bytes_reduced,
                 "buckets": opt._reducer.num_buckets,
             },
@@ -209,6 +222,7 @@ def _check(cfg: dict, tmp_path) -> list[dict]:
         for n, applied in res["calls"]:
             assert n == (res["buckets"] if applied else 0), res["calls"]
     assert sum(a for _, a in results[0]["calls"]) == cfg["cycles"]
+    assert all(res["ddp_rounds"] == 0 for res in results)  # DDP never reduces by itself
     return results
 
 
@@ -219,6 +233,12 @@ BASE = {"k": 3, "cycles": 4, "sizes": [5, 2, 7, 3], "clip": None, "bn": False, "
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_uneven_ranks_match_global_big_batch(world, opt, tmp_path):
     _check({**BASE, "world": world, "opt": opt}, tmp_path)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-backward"])
+def test_ddp_model_inside_accumulate_matches(overlap, tmp_path):
+    """A DDP-wrapped model: accumulate() silences DDP, the optimizer's round replaces it."""
+    _check({**BASE, "world": 2, "opt": "adamw", "ddp": True, "overlap": overlap}, tmp_path)
 
 
 def test_reduce_after_backward_matches(tmp_path):
@@ -281,3 +301,40 @@ def test_failed_rank_gives_clear_error_not_hang(mode, tmp_path):
         p.join(30)
         if p.is_alive():
             p.kill()
+
+
+def _ddp_without_reduction_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2, process_group=False
+    )
+    try:
+        with accumulate(model, opt):
+            model(torch.ones(3, 4)).sum().backward()
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{unchanged}\n{message}")
+    dist.destroy_process_group()
+
+
+def test_ddp_model_with_process_group_false_is_refused(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_ddp_without_reduction_worker, args=(r, port, str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    for r in range(2):
+        unchanged, message = (tmp_path / f"rank{r}.txt").read_text().split("\n", 1)
+        assert unchanged == "True"
+        assert "process_group=False" in message
