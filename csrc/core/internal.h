@@ -53,11 +53,11 @@ ga_status guarded(F&& body) noexcept {
 
 const char* dtype_name(ga_dtype dtype);
 
+/// "list[i]": built for every tensor a call checks, so no ostream (locale look-ups per call).
 inline std::string item(const std::string& list, int64_t i) {
-  std::ostringstream s;
-  s << list << "[" << i << "]";
-  return s.str();
+  return list + "[" + std::to_string(i) + "]";
 }
+
 
 /// Checks a descriptor: known dtype, non-negative numel, data present, device allowed.
 void check_tensor(const ga_tensor& t, const std::string& name);
@@ -91,6 +91,19 @@ struct Chunk {
   int64_t begin;
   int64_t end;
 };
+
+/// Elements below which a chunked kernel runs on the calling thread: waking a thread team
+/// costs more than a few microseconds of work, and far more on a busy machine.
+constexpr int64_t kParallelMinElems = 1 << 15;
+
+/// Whether the chunks hold enough work to be worth a parallel region.
+inline bool worth_threads(const Chunk* chunks, int64_t num_chunks) {
+  int64_t elems = 0;
+  for (int64_t c = 0; c < num_chunks && elems < kParallelMinElems; ++c)
+    elems += chunks[c].end - chunks[c].begin;
+  return elems >= kParallelMinElems;
+}
+
 constexpr int64_t kChunk = 16384;
 /// Split every tensor of a list into chunks of at most kChunk elements (fixed: results that
 /// are reduced over chunks do not depend on the thread count).
