@@ -1,0 +1,606 @@
+"""CPU benchmark of the PyTorch adapter against the same training loop written in plain torch.
+
+``GradientAccumulateOptimizer`` is used as its docstring says: ``loss.backward(); opt.step();
+opt.zero_grad()`` on every micro-batch; ``step()`` folds the fresh ``.grad`` into fp32
+accumulators (C++ core) and frees it, and the ``K``-th call applies the update (core's fused
+average + clip + AdamW). The plain-torch loop is the idiomatic one: ``(loss / K).backward()``
+accumulates into ``.grad`` inside autograd, then clip + ``AdamW.step()`` + ``zero_grad()``.
+
+What each row times (median of the repeats; all rows of a section run round-robin in one
+process, one call of each per repeat after warm-up calls, so machine noise hits them alike):
+
+1. Micro-step, for fp32 and for bf16 parameters, on a small pre-LN transformer (Linear,
+   LayerNorm, causal attention; a fixed batch, same input every call):
+
+   * ``plain: fwd + (loss/K).backward()``: autograd adds into the existing ``.grad``
+     (fp32 grads for fp32 parameters, bf16 grads for bf16 ones).
+   * ``plain: fwd + bwd + zero_grad()``: fresh ``.grad`` every call, no accumulation: the
+     backward that the adapter's loop runs (reference point, not a real training loop).
+   * ``ours: fwd + bwd + step() + zero_grad()``: one non-boundary micro-step (the wrapper
+     has an ``accum_steps`` that is never reached, so every timed ``step()`` adds into the
+     accumulators, as micro-steps 2 .. K-1 of a cycle do; bf16 grads go into fp32 buffers).
+   * ``ours: step() + zero_grad() alone``: the same call, with its forward + backward run
+     untimed just before: the adapter's own per-micro-step cost, measured directly.
+
+   The overhead printed below the table is (ours − plain accumulating), in ms and in % of the
+   plain step, and the direct ``step() + zero_grad()`` time in % of the plain step.
+
+2. ``K``-cycle (K = 8 different batches), same model and dtypes:
+
+   * ``plain``: K × (fwd + ``(loss/K).backward()``) + ``clip_grad_norm_(1.0, foreach=True)``
+     + ``AdamW(fused=True).step()`` + ``zero_grad()``;
+   * ``ours``: K × (fwd + bwd + ``step()`` + ``zero_grad()``), ``AdamW`` inside a wrapper with
+     ``accum_steps=K, max_grad_norm=1.0`` (its last ``step()`` applies the update).
+
+3. Apply step (the boundary) on a mid-size parameter set (GPT-2 layout, 8 layers, d = 640:
+   ~45 M fp32 parameters in 100 tensors; no model, gradients are random tensors put in
+   ``.grad``), ``K = 8``, AdamW, global-norm clip to 1.0:
+
+   * ``ours: boundary step() + zero_grad()``: the K-th ``step()``. Each repeat first runs the
+     K − 1 earlier micro-steps untimed (so the accumulators hold a real cycle), then times the
+     call that folds the last micro-batch's ``.grad`` into the accumulators (with the sum of
+     squares for the clip norm in the same pass) and applies the fused update. (``accum_steps=1``
+     would not do: its only step overwrites the accumulator instead of adding to it.)
+   * ``torch ... (fused)`` / ``(foreach)``: ``_foreach_mul_(grads, 1/K)`` +
+     ``clip_grad_norm_(foreach=True)`` + ``AdamW.step()`` + ``zero_grad()``, the ``.grad``
+     holding the accumulated gradient (refilled untimed). This is what runs after the last
+     backward; that backward already added the last micro-batch into ``.grad``.
+   * ``torch += last grad, ... (fused)``: the same plus that ``_foreach_add_`` of the last
+     micro-batch's gradient, which ours does inside ``step()``: the like-for-like row.
+
+Before timing, the fp32 cycle is cross-checked on the very objects that are then timed: after
+one cycle the weights of ours and of plain torch agree to < 1e-5 relative (per tensor, max |diff|
+/ max |w|), after a second to < 1e-4 (Adam amplifies rounding there), with the same clipped
+gradient norm and step counts; for bf16, the accumulators after K − 1 micro-steps equal the
+fp32 sum of the bf16 gradients of the same micro-batches, and the K-th step steps AdamW.
+
+Threads: torch and the core's OpenMP both read ``OMP_NUM_THREADS`` (both counts are printed).
+On a machine that something else keeps busy, OpenMP threads that wait on a descheduled peer
+make every row slow and erratic; ``OMP_NUM_THREADS=1`` keeps the numbers sane there.
+
+Usage:
+    python benchmarks/torch_step.py                  # full run (~1-3 min on 2 cores)
+    python benchmarks/torch_step.py --small          # small model and parameter set (seconds)
+    OMP_NUM_THREADS=1 python benchmarks/torch_step.py --repeats 20 --json torch_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from cpu_core import SMALL, gpt2_shapes, machine_info, numel
+except ImportError:  # not run as a script from benchmarks/: cpu_core sits next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cpu_core import SMALL, gpt2_shapes, machine_info, numel
+
+try:
+    from gradient_accumulator._loader import load_core
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+except ImportError:  # run from a checkout: benchmarks/ sits next to the package
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from gradient_accumulator._loader import load_core
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+K = 8  # micro-batches per update
+LR, WD, MAX_NORM = 1e-3, 0.01, 1.0
+NEVER = 2**62  # accum_steps that no benchmark reaches: every step() is a non-boundary one
+
+# Model and parameter-set sizes: full run and --small.
+CONFIGS = {
+    "full": dict(
+        d=256,
+        n_layer=2,
+        n_head=4,
+        d_io=64,
+        batch=8,
+        seq=32,
+        apply_shapes=gpt2_shapes(n_layer=8, d=640, vocab=8192, ctx=512),
+    ),
+    "small": dict(d=128, n_layer=2, n_head=4, d_io=64, batch=4, seq=32, apply_shapes=SMALL),
+}
+
+
+# ---- the model ----
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention and a 4x GELU MLP."""
+
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has zero gradient
+        self.proj = nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.n_head, d // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def make_model(cfg: dict, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [Block(cfg["d"], cfg["n_head"]) for _ in range(cfg["n_layer"])]
+    model = nn.Sequential(
+        nn.Linear(cfg["d_io"], cfg["d"]),
+        *blocks,
+        nn.LayerNorm(cfg["d"]),
+        nn.Linear(cfg["d"], cfg["d_io"]),
+    )
+    return model.to(dtype)
+
+
+def make_batches(cfg: dict, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    shape = (cfg["batch"], cfg["seq"], cfg["d_io"])
+    return [
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+        for _ in range(K)
+    ]
+
+
+def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float) -> None:
+    out = model(x)
+    loss = F.mse_loss(out, y, reduction="sum") / (out.numel() // out.shape[-1])  # per token
+    (loss * scale if scale != 1.0 else loss).backward()
+
+
+def plain_cycle(model: nn.Module, batches) -> Callable[[], torch.Tensor]:
+    """Idiomatic torch accumulation: (loss/K).backward() K times, clip, fused AdamW, zero."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+
+    def run() -> torch.Tensor:
+        for x, y in batches:
+            forward_backward(model, x, y, 1.0 / K)
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        opt.step()
+        opt.zero_grad()
+        return norm
+
+    run.optimizer = opt  # type: ignore[attr-defined]
+    return run
+
+
+def ours_cycle(model: nn.Module, batches) -> Callable[[], None]:
+    """The adapter's loop: backward, step, zero_grad on every micro-batch."""
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), K, max_grad_norm=MAX_NORM
+    )
+
+    def run() -> None:
+        for x, y in batches:
+            forward_backward(model, x, y, 1.0)
+            opt.step()
+            opt.zero_grad()
+
+    run.optimizer = opt  # type: ignore[attr-defined]
+    return run
+
+
+# ---- timing ----
+
+Case = tuple[Optional[Callable[[], None]], Callable[[], object]]  # (untimed setup, timed call)
+
+
+def round_robin(cases: dict[str, Case], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per timed call; each case's own setup runs untimed just before it.
+
+    (cpu_core.timed_round_robin takes one setup for all implementations; here they differ.)
+    """
+    gc.collect()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(warmup + repeats):
+        for name, (setup, fn) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if r >= warmup:
+                times[name].append(t1 - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+# ---- correctness cross-checks (untimed) ----
+
+
+def check_fp32_cycle(
+    plain: Callable, ours: Callable, plain_model: nn.Module, ours_model: nn.Module
+) -> dict:
+    """Two cycles of each; weights, clipped norms and step counts must agree.
+
+    After the first update the weights agree to ~1e-7 relative (per tensor, max |diff| / max
+    |w|). From the second one on, Adam's m / sqrt(v) amplifies the fp32 rounding of elements
+    whose two gradients nearly cancel, and a few reach ~5e-6; a wrong bias correction or step
+    count would be off by ~1e-2.
+    """
+
+    def max_rel() -> float:
+        return max(
+            float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
+            for a, b in zip(ours_model.parameters(), plain_model.parameters())
+        )
+
+    w0 = [p.detach().clone() for p in plain_model.parameters()]
+    rel = []
+    for _ in range(2):
+        norm_plain = float(plain())
+        ours()
+        rel.append(max_rel())
+    opt = ours.optimizer  # type: ignore[attr-defined]
+    norm_ours = opt.last_grad_norm
+    a = [p.detach() for p in ours_model.parameters()]
+    b = [p.detach() for p in plain_model.parameters()]
+    du = math.sqrt(sum(float((x - y).double().square().sum()) for x, y in zip(a, b)))
+    u = math.sqrt(sum(float((y - z).double().square().sum()) for y, z in zip(b, w0)))
+    steps = {float(opt.optimizer.state[p]["step"]) for p in ours_model.parameters()}
+    steps |= {
+        float(plain.optimizer.state[p]["step"])  # type: ignore[attr-defined]
+        for p in plain_model.parameters()
+    }
+    res = dict(
+        weights_max_rel_diff_cycle1=rel[0],
+        weights_max_rel_diff_cycle2=rel[1],
+        update_rel_diff=du / u,
+        grad_norm_ours=norm_ours,
+        grad_norm_torch=norm_plain,
+        steps=sorted(steps),
+    )
+    assert steps == {2.0}, f"optimizer step counts differ: {res}"
+    assert norm_plain > MAX_NORM, f"clipping not exercised: {res}"
+    assert math.isclose(norm_ours, norm_plain, rel_tol=1e-5), f"grad norms differ: {res}"
+    assert rel[0] < 1e-5 and rel[1] < 1e-4 and du / u < 1e-4, f"ours and torch disagree: {res}"
+    return res
+
+
+def check_bf16_cycle(ours: Callable, ours_model: nn.Module, batches) -> dict:
+    """K − 1 micro-steps: accumulators = fp32 sum of the bf16 grads; the K-th step updates."""
+    opt = ours.optimizer  # type: ignore[attr-defined]
+    ref_model = copy.deepcopy(ours_model)
+    ref = [torch.zeros(p.shape) for p in ref_model.parameters()]
+    w0 = [p.detach().clone() for p in ours_model.parameters()]
+    for x, y in batches[:-1]:
+        forward_backward(ours_model, x, y, 1.0)
+        opt.step()
+        opt.zero_grad()
+        forward_backward(ref_model, x, y, 1.0)
+        for r, p in zip(ref, ref_model.parameters()):
+            assert p.grad.dtype == torch.bfloat16
+            r.add_(p.grad.float())
+        ref_model.zero_grad()
+    acc_err = max(
+        float((a - r).abs().max() / r.abs().max()) for a, r in zip(opt.accumulators(), ref)
+    )
+    x, y = batches[-1]
+    forward_backward(ours_model, x, y, 1.0)
+    opt.step()
+    opt.zero_grad()
+    # (An update smaller than half a bf16 ulp leaves a weight as it was: LayerNorm gains near
+    # 1 do not move with lr 1e-3, in plain torch either; the moments always do.)
+    moved = sum(not torch.equal(p, q) for p, q in zip(ours_model.parameters(), w0))
+    states = [opt.optimizer.state[p] for p in ours_model.parameters()]
+    stepped = all(float(s["step"]) == 1.0 and bool(s["exp_avg"].any()) for s in states)
+    finite = all(bool(torch.isfinite(p).all()) for p in ours_model.parameters())
+    res = dict(
+        accumulators_max_rel_diff=acc_err,
+        update_applied=opt.update_applied,
+        optimizer_stepped=stepped,
+        tensors_moved=moved,
+        tensors=len(w0),
+        finite=finite,
+    )
+    assert acc_err < 1e-6 and opt.update_applied and stepped and moved > 0 and finite, res
+    return res
+
+
+# ---- 1 and 2: micro-step overhead and K-cycle ----
+
+
+def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tuple[list, dict]:
+    label = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    base = make_model(cfg, dtype)
+    batches = make_batches(cfg, dtype)
+    x0, y0 = batches[0]
+
+    # K-cycle objects, cross-checked first (the same objects are timed below).
+    m_cp, m_co = copy.deepcopy(base), copy.deepcopy(base)
+    cyc_plain, cyc_ours = plain_cycle(m_cp, batches), ours_cycle(m_co, batches)
+    if dtype == torch.float32:
+        check = check_fp32_cycle(cyc_plain, cyc_ours, m_cp, m_co)
+        print(
+            f"cross-check {label}: ours vs torch (clip + fused AdamW), cycles of K={K}: "
+            f"weights max rel diff {check['weights_max_rel_diff_cycle1']:.1e} after "
+            f"one, {check['weights_max_rel_diff_cycle2']:.1e} after two; update rel diff "
+            f"{check['update_rel_diff']:.1e}; clipped grad norm "
+            f"{check['grad_norm_ours']:.6g} vs {check['grad_norm_torch']:.6g}",
+            flush=True,
+        )
+    else:
+        check = check_bf16_cycle(cyc_ours, m_co, batches)
+        print(
+            f"cross-check {label}: fp32 accumulators after {K - 1} micro-steps vs fp32 sum of "
+            f"the bf16 grads: max rel diff {check['accumulators_max_rel_diff']:.1e}; the "
+            f"{K}th step stepped AdamW on all {check['tensors']} tensors "
+            f"({check['tensors_moved']} changed in bf16)",
+            flush=True,
+        )
+
+    # Micro-step objects: one model per loop, so that .grad states do not mix.
+    m_acc, m_fresh, m_ours = (copy.deepcopy(base) for _ in range(3))
+    opt_micro = GradientAccumulateOptimizer(
+        torch.optim.AdamW(m_ours.parameters(), lr=LR, weight_decay=WD), NEVER
+    )
+
+    def plain_acc() -> None:
+        forward_backward(m_acc, x0, y0, 1.0 / K)
+
+    def plain_fresh() -> None:
+        forward_backward(m_fresh, x0, y0, 1.0)
+        m_fresh.zero_grad()
+
+    def ours_step() -> None:
+        opt_micro.step()
+        opt_micro.zero_grad()
+
+    def ours_micro() -> None:
+        forward_backward(m_ours, x0, y0, 1.0)
+        ours_step()
+
+    names = dict(
+        acc="plain: fwd + (loss/K).backward()",
+        fresh="plain: fwd + bwd + zero_grad() (fresh .grad)",
+        ours="ours: fwd + bwd + step() + zero_grad()",
+        step="ours: step() + zero_grad() alone",
+    )
+    res = round_robin(
+        {
+            names["acc"]: (None, plain_acc),
+            names["fresh"]: (None, plain_fresh),
+            names["ours"]: (None, ours_micro),
+            names["step"]: (lambda: forward_backward(m_ours, x0, y0, 1.0), ours_step),
+        },
+        repeats * 4,
+        warmup * 2,
+    )
+    assert opt_micro.micro_step > 0 and not opt_micro.update_applied
+    rows = record(f"{label} micro-step", res, names["ours"])
+
+    cyc = dict(
+        plain=f"plain: {K} x (fwd + bwd) + clip + AdamW(fused) + zero",
+        ours=f"ours: {K} x (fwd + bwd + step + zero), AdamW + clip",
+    )
+    res_c = round_robin(
+        {cyc["plain"]: (None, cyc_plain), cyc["ours"]: (None, cyc_ours)}, repeats, warmup
+    )
+    assert cyc_ours.optimizer.micro_step == 0  # type: ignore[attr-defined]
+    rows += record(f"{label} {K}-cycle", res_c, cyc["ours"])
+
+    plain_ms = res[names["acc"]] * 1e3
+    summary = dict(
+        dtype=label,
+        plain_micro_ms=plain_ms,
+        ours_micro_ms=res[names["ours"]] * 1e3,
+        overhead_ms=res[names["ours"]] * 1e3 - plain_ms,
+        overhead_pct=100 * (res[names["ours"]] * 1e3 / plain_ms - 1),
+        step_alone_ms=res[names["step"]] * 1e3,
+        step_alone_pct=100 * res[names["step"]] * 1e3 / plain_ms,
+        fresh_grad_pct=100 * (res[names["fresh"]] * 1e3 / plain_ms - 1),
+        plain_cycle_ms=res_c[cyc["plain"]] * 1e3,
+        ours_cycle_ms=res_c[cyc["ours"]] * 1e3,
+        cycle_overhead_pct=100 * (res_c[cyc["ours"]] / res_c[cyc["plain"]] - 1),
+        cross_check=check,
+    )
+    return rows, summary
+
+
+# ---- 3: the apply step ----
+
+
+def bench_apply(shapes: list[tuple[int, ...]], repeats: int, warmup: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    # Micro-batch gradients: two sets, used alternately (values do not change the timings).
+    micro = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+    last = micro[(K - 1) % 2]
+    total = torch._foreach_add(micro[0], micro[1])  # the cycle's sum: K/2 of each set
+    torch._foreach_mul_(total, K / 2)
+    bufs = [torch.empty(s) for s in shapes]  # torch's .grad, refilled before each call
+
+    ours = GradientAccumulateOptimizer(
+        torch.optim.AdamW(params, lr=LR, weight_decay=WD), K, max_grad_norm=MAX_NORM
+    )
+
+    def set_grads(grads: list[torch.Tensor]) -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    def ours_setup() -> None:
+        for i in range(K - 1):
+            set_grads(micro[i % 2])
+            ours.step()
+        set_grads(last)
+        assert ours.is_boundary_next()
+
+    def ours_boundary() -> None:
+        ours.step()
+        ours.zero_grad()
+
+    def torch_setup(fold: bool) -> Callable[[], None]:
+        def setup() -> None:
+            torch._foreach_copy_(bufs, total)
+            if fold:
+                torch._foreach_sub_(bufs, last)
+            set_grads(bufs)
+
+        return setup
+
+    def torch_pipeline(opt: torch.optim.Optimizer, fold: bool) -> Callable[[], None]:
+        def run() -> None:
+            if fold:
+                torch._foreach_add_(bufs, last)
+            torch._foreach_mul_(bufs, 1.0 / K)
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+            opt.step()
+            opt.zero_grad()
+
+        return run
+
+    opt_fu = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    opt_fe = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
+    name_ours = "ours: boundary step() + zero_grad()"
+    res = round_robin(
+        {
+            "torch avg+clip+AdamW(fused)+zero": (torch_setup(False), torch_pipeline(opt_fu, False)),
+            "torch avg+clip+AdamW(foreach)+zero": (
+                torch_setup(False),
+                torch_pipeline(opt_fe, False),
+            ),
+            "torch += last grad, avg+clip+AdamW(fused)+zero": (
+                torch_setup(True),
+                torch_pipeline(opt_fu, True),
+            ),
+            name_ours: (ours_setup, ours_boundary),
+        },
+        repeats,
+        warmup,
+    )
+    assert ours.update_applied and ours.micro_step == 0
+    assert ours.last_grad_norm is not None and ours.last_grad_norm > MAX_NORM
+    n = numel(shapes)
+    rows = record(f"apply: {n / 1e6:.1f}M params, {len(shapes)} tensors", res, name_ours)
+    return rows
+
+
+# ---- report ----
+
+
+def record(section: str, res: dict[str, float], ours: str) -> list[dict]:
+    return [
+        dict(section=section, impl=name, ms=t * 1e3, ours=name == ours, vs_ours=t / res[ours])
+        for name, t in res.items()
+    ]
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'implementation':<52} {'ms':>10} {'vs ours':>8}"
+    section = None
+    for r in rows:
+        if r["section"] != section:
+            section = r["section"]
+            print(f"\n== {section} ==")
+            print(head)
+            print("-" * len(head))
+        mark = "*" if r["ours"] else " "
+        print(f"{mark}{r['impl']:<51} {r['ms']:>10.2f} {r['vs_ours']:>7.2f}x")
+
+
+def print_summary(s: dict) -> None:
+    print(
+        f"{s['dtype']} micro-step: ours {s['ours_micro_ms']:.2f} ms vs plain "
+        f"{s['plain_micro_ms']:.2f} ms: overhead {s['overhead_ms']:+.2f} ms "
+        f"({s['overhead_pct']:+.1f}% of the plain step); step() + zero_grad() alone "
+        f"{s['step_alone_ms']:.2f} ms ({s['step_alone_pct']:.1f}%); fresh .grad instead of "
+        f"accumulating in backward: {s['fresh_grad_pct']:+.1f}%"
+    )
+    print(
+        f"{s['dtype']} {K}-cycle: ours {s['ours_cycle_ms']:.1f} ms vs plain "
+        f"{s['plain_cycle_ms']:.1f} ms ({s['cycle_overhead_pct']:+.1f}%)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="small model and parameter set")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per implementation for the cycle and apply sections "
+        "(micro-steps: 4x); default 10, --small 5",
+    )
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    ap.add_argument("--json", metavar="PATH", help="write machine info and results here")
+    args = ap.parse_args()
+    repeats = args.repeats if args.repeats is not None else (5 if args.small else 10)
+    cfg = CONFIGS["small" if args.small else "full"]
+
+    info = machine_info()
+    info["core_threads"] = load_core().num_threads()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    load = info.get("load_avg")
+    if load and load[0] > 0.5 and max(info["torch_threads"], info["core_threads"]) > 1:
+        print(
+            f"warning: load average {load[0]:.1f} before the run: with several threads per "
+            "process, timings on a busy machine are erratic (try OMP_NUM_THREADS=1)"
+        )
+    n_model = sum(p.numel() for p in make_model(cfg, torch.float32).parameters())
+    n_tensors = len(list(make_model(cfg, torch.float32).parameters()))
+    print(
+        f"model: {cfg['n_layer']}-layer transformer, d={cfg['d']}, {n_model:,} parameters in "
+        f"{n_tensors} tensors; micro-batch {cfg['batch']} x {cfg['seq']} tokens; K={K}, "
+        f"AdamW lr {LR}, clip {MAX_NORM}; {repeats} repeats ({4 * repeats} for micro-steps)"
+    )
+
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    summaries = []
+    for dtype in (torch.float32, torch.bfloat16):
+        r, s = bench_model(cfg, dtype, repeats, args.warmup)
+        rows += r
+        summaries.append(s)
+    shapes = cfg["apply_shapes"]
+    print(f"apply: {len(shapes)} tensors, {numel(shapes):,} parameters ...", flush=True)
+    rows += bench_apply(shapes, repeats, args.warmup)
+
+    print_table(rows)
+    print("\n* = ours; 'vs ours' = time / our time (> 1: ours is faster)")
+    for s in summaries:
+        print_summary(s)
+    print(f"total benchmark time {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(
+                    machine=info,
+                    k=K,
+                    lr=LR,
+                    weight_decay=WD,
+                    max_grad_norm=MAX_NORM,
+                    model={k: v for k, v in cfg.items() if k != "apply_shapes"},
+                    model_params=n_model,
+                    apply_params=numel(shapes),
+                    apply_tensors=len(shapes),
+                    repeats=repeats,
+                    warmup=args.warmup,
+                    results=rows,
+                    summary=summaries,
+                ),
+                f,
+                indent=1,
+            )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
