@@ -115,7 +115,6 @@ def copy_bandwidth(repeats: int) -> float:
     src = torch.randn(n)
     dst = torch.randn(n)
     t = timed_round_robin({"add": lambda: dst.add_(src)}, None, max(repeats, 5), 2)["add"]
-    del src, dst
     return 12 * n / t
 
 
@@ -256,7 +255,7 @@ def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup:
         "core.apply(adamw)": ours_adamw,
     }, refill, repeats, warmup)
     record("apply AdamW cycle", res, "core.apply(adamw)", "apply_adamw")
-    del opt_fe, opt_fu, v
+    opt_fe = opt_fu = v = None  # free the state (the timed lambdas are done with it)
     gc.collect()
 
     # b'. apply cycle, SGD momentum
@@ -277,7 +276,7 @@ def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup:
         "core.apply(sgd)": ours_sgd,
     }, refill, repeats, warmup)
     record("apply SGD-momentum cycle", res, "core.apply(sgd)", "apply_sgd")
-    del opt_fe, opt_fu, m
+    opt_fe = opt_fu = m = None
     gc.collect()
 
     # c. AGC
@@ -296,7 +295,7 @@ def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup:
     }, None, repeats, warmup)
     record("global norm", res, "core.global_norm", "global_norm")
 
-    del grads, params, accs, pd
+    grads = params = accs = pd = None
     gc.collect()
     return rows
 

@@ -141,7 +141,12 @@ def main() -> int:
     print(f"micro-batch {args.batch}, k={args.accum_steps}, MLP {args.features}→"
           f"{args.width}×{args.depth}→10, Adam; {args.repeats} repeats of one epoch each")
     results = []
-    child = [a for a in sys.argv[1:] if not a.startswith("--backends")]
+    child, skip = [], False  # the same options, less --backends (and its value)
+    for a in sys.argv[1:]:
+        if skip or a.startswith("--backends"):
+            skip = a == "--backends" and not skip
+            continue
+        child.append(a)
     for backend in args.backends.split(","):
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
         out = subprocess.run([sys.executable, __file__, "--child", *child], env=env,
@@ -153,7 +158,8 @@ def main() -> int:
         results.append(res)
         ours = next(r["ms"] for r in res["rows"] if r["kind"] == "optimizer")
         print(f"\n== {backend} ({res['params']:,} parameters, {res['steps']} micro-batches) ==")
-        print(f"{'implementation':42s} {'ms/micro-batch':>14s} {'vs ours':>8s} {'Δw vs built-in':>15s}")
+        header = f"{'ms/micro-batch':>14s} {'vs ours':>8s} {'Δw vs built-in':>15s}"
+        print(f"{'implementation':42s} {header}")
         for r in res["rows"]:
             check = f"{r['check']:.1e}"
             print(f"{r['label']:42s} {r['ms']:14.3f} {r['ms'] / ours:7.2f}x {check:>15s}")

@@ -54,5 +54,6 @@ def check_positive(value: Any, name: str, *, allow_zero: bool = False) -> float:
     value = float(value)
     ok = value >= 0 if allow_zero else value > 0
     if not ok or value != value or value == float("inf"):
-        raise ValueError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}, got {value}")
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {value}")
     return value

@@ -90,7 +90,9 @@ def with_reference_agc(optimizer, excluded: int = 2, clip_factor: float = 0.01, 
     return ReferenceAGC.from_config(optimizer.get_config())
 
 
-def train_big_batch(name: str, use_agc: bool, accum: int, micro: int, epochs: int = 2, seed: int = 0):
+def train_big_batch(
+    name: str, use_agc: bool, accum: int, micro: int, epochs: int = 2, seed: int = 0
+):
     """Weights after training a plain model with batches of ``accum·micro`` (the reference)."""
     x, y = data()
     inputs, outputs = mlp(seed)

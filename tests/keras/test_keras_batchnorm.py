@@ -25,7 +25,7 @@ def _stats(layer):
 
 
 def test_k1_is_keras_batchnorm():
-    """The original's test_compare_bn_layers: AccumBN(k=1) ≡ BatchNormalization, weights included."""
+    """The original's test_compare_bn_layers: AccumBN(k=1) ≡ BatchNormalization, weights too."""
     x, y = data(64)
     models = []
     for bn in (keras.layers.BatchNormalization, AccumBatchNormalization):

@@ -25,7 +25,7 @@ ACCUM, MICRO = 4, 4
 WRAPPERS = ["model", "optimizer"] + (["optimizer-ops"] if BACKEND == "torch" else [])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name: str, use_agc: bool):
     return train_big_batch(name, use_agc, ACCUM, MICRO)
 
