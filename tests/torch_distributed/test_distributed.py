@@ -7,6 +7,7 @@ with exactly one reduction round per optimizer step and none on other micro-batc
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -160,6 +161,10 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
             },
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
+        # Free DDP's reducer and the optimizer's hooks (reference cycles) while the group is
+        # alive: left to interpreter shutdown, after the group is gone, Gloo can abort.
+        del model, net, opt
+        gc.collect()
         dist.destroy_process_group()
     except Exception:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
@@ -322,6 +327,8 @@ def _ddp_without_reduction_worker(rank: int, port: int, out_dir: str) -> None:
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{unchanged}\n{message}")
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
