@@ -59,7 +59,6 @@ import faulthandler
 import gc
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -83,8 +82,13 @@ try:
     from gradient_accumulator.torch import GradientAccumulateOptimizer, accumulate
 except ImportError:  # run from a checkout: benchmarks/ sits next to the package
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from gradient_accumulator import core
     from gradient_accumulator.torch import GradientAccumulateOptimizer, accumulate
+
+try:
+    from cpu_core import machine_info as host_info
+except ImportError:  # not run as a script from benchmarks/: cpu_core sits next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cpu_core import machine_info as host_info
 
 K = 4  # micro-batches per optimizer step
 LR, WD = 1e-3, 0.01
@@ -455,25 +459,11 @@ def run_world(world: int, cfg: dict) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return dict(
-        cpu=cpu,
-        cores=os.cpu_count(),
-        torch=torch.__version__,
-        threads_per_rank=1,
-        backend="gloo (127.0.0.1)",
-        core_isa=core.cpu_isa(),
-        python=platform.python_version(),
-        load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,
-    )
+    info = host_info()
+    for key in ("torch_threads", "torch_cpu_capability"):
+        info.pop(key, None)
+    info.update(threads_per_rank=1, backend="gloo (127.0.0.1)")
+    return info
 
 
 def print_table(rows: list[dict]) -> None:
