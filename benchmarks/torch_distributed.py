@@ -78,7 +78,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
-    from gradient_accumulator import core
     from gradient_accumulator.torch import GradientAccumulateOptimizer, accumulate
 except ImportError:  # run from a checkout: benchmarks/ sits next to the package
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
