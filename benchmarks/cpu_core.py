@@ -91,16 +91,21 @@ MODELS = {"gpt2-small (124M)": GPT2_SMALL, "small (1.1M)": SMALL}
 
 def timed_round_robin(
     impls: dict[str, Callable[[], object]],
-    setup: Callable[[], None] | None,
+    setup: Callable[[], None] | dict[str, Callable[[], None] | None] | None,
     repeats: int,
     warmup: int,
 ) -> dict[str, float]:
-    """Median seconds per call of every implementation; `setup` runs (untimed) before each call."""
+    """Median seconds per call of every implementation.
+
+    ``setup`` runs (untimed) before each call: one callable for all implementations, or a dict
+    giving each implementation its own (None: no setup).
+    """
+    setups = setup if isinstance(setup, dict) else {name: setup for name in impls}
     times: dict[str, list[float]] = {name: [] for name in impls}
     for r in range(warmup + repeats):
         for name, fn in impls.items():
-            if setup is not None:
-                setup()
+            if setups.get(name) is not None:
+                setups[name]()
             t0 = time.perf_counter()
             fn()
             t1 = time.perf_counter()

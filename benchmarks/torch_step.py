@@ -72,7 +72,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -83,10 +82,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from cpu_core import SMALL, gpt2_shapes, machine_info, numel
+    from cpu_core import SMALL, gpt2_shapes, machine_info, numel, timed_round_robin
 except ImportError:  # not run as a script from benchmarks/: cpu_core sits next to this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cpu_core import SMALL, gpt2_shapes, machine_info, numel
+    from cpu_core import SMALL, gpt2_shapes, machine_info, numel, timed_round_robin
 
 try:
     from gradient_accumulator._loader import load_core
@@ -204,22 +203,14 @@ Case = tuple[Optional[Callable[[], None]], Callable[[], object]]  # (untimed set
 
 
 def round_robin(cases: dict[str, Case], repeats: int, warmup: int) -> dict[str, float]:
-    """Median seconds per timed call; each case's own setup runs untimed just before it.
-
-    (cpu_core.timed_round_robin takes one setup for all implementations; here they differ.)
-    """
+    """Median seconds per timed call; each case's own setup runs untimed just before it."""
     gc.collect()
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for r in range(warmup + repeats):
-        for name, (setup, fn) in cases.items():
-            if setup is not None:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            if r >= warmup:
-                times[name].append(t1 - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return timed_round_robin(
+        {name: fn for name, (_, fn) in cases.items()},
+        {name: setup for name, (setup, _) in cases.items()},
+        repeats,
+        warmup,
+    )
 
 
 # ---- correctness cross-checks (untimed) ----
