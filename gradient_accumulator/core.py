@@ -5,6 +5,11 @@ TensorFlow) and works on their memory in place; nothing is copied. Tensors must 
 lists must match in length and element counts. Bad input raises ``ValueError`` or ``TypeError``
 naming the argument, and leaves every buffer as it was.
 
+CUDA: PyTorch CUDA tensors go to the CUDA kernels (when the build has them, see
+:func:`has_cuda`), enqueued on ``torch.cuda.current_stream()`` of their device. Nothing waits for
+the GPU: results that are Python numbers for CPU tensors (the non-finite flag, sums of squares,
+the apply's norm, coefficient and skip decision) are 0-dim device tensors instead.
+
 Example:
     >>> import numpy as np
     >>> from gradient_accumulator import core
@@ -37,6 +42,7 @@ __all__ = [
     "bn_update_running",
     "cpu_isa",
     "global_norm",
+    "cuda_device_count",
     "has_cuda",
     "pack",
     "sum_of_squares",
@@ -60,8 +66,8 @@ class AccumulateResult(NamedTuple):
         sumsq: Σ acc² after the update when ``compute_sumsq=True``, else None.
     """
 
-    nonfinite: bool
-    sumsq: float | None
+    nonfinite: Any
+    sumsq: Any
 
 
 class ApplyResult(NamedTuple):
@@ -71,11 +77,14 @@ class ApplyResult(NamedTuple):
         skipped: True if ``skip_nonfinite`` found a NaN/Inf and nothing was updated.
         grad_norm: L2 norm of the scaled gradient before clipping, when it was computed.
         clip_coef: global-norm clip coefficient that was used, when global clipping ran.
+
+    For CUDA tensors the three are 0-dim float32 device tensors: ``skipped`` is 1.0 or 0.0,
+    ``grad_norm`` is -1 when it was not computed, ``clip_coef`` is 1 when nothing was clipped.
     """
 
-    skipped: bool
-    grad_norm: float | None
-    clip_coef: float | None
+    skipped: Any
+    grad_norm: Any
+    clip_coef: Any
 
 
 def _check_real(value: Any, name: str) -> float:
@@ -94,6 +103,43 @@ def has_cuda() -> bool:
     return bool(load_core().has_cuda())
 
 
+def cuda_device_count() -> int:
+    """CUDA devices the core's runtime sees (0 without CUDA kernels, a driver or a GPU)."""
+    return int(load_core().cuda_device_count())
+
+
+def _cuda_stream(t: Any) -> int | None:
+    """The current stream of a PyTorch CUDA tensor's device; None for tensors not on CUDA."""
+    device = getattr(t, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    dl_device = getattr(t, "__dlpack_device__", None)
+    if dl_device is not None and not isinstance(t, np.ndarray) and dl_device()[0] in (2, 13):
+        raise TypeError(
+            f"a {type(t).__name__} on a CUDA device: the CUDA kernels take PyTorch tensors "
+            "(their stream is known); pass torch tensors or CPU arrays"
+        )
+    return None
+
+
+def _first(tensors: Any) -> Any:
+    if isinstance(tensors, (list, tuple)) and tensors:
+        return tensors[0]
+    return None
+
+
+def _device_scalar(like: Any, dtype: str, n: int = 1, fill: float | None = None) -> Any:
+    import torch
+
+    shape = () if n == 1 else (n,)
+    dt = torch.float64 if dtype == "float64" else torch.float32
+    if fill is None:
+        return torch.empty(shape, dtype=dt, device=like.device)
+    return torch.full(shape, fill, dtype=dt, device=like.device)
+
+
 def accumulate(
     accumulators: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -103,6 +149,7 @@ def accumulate(
     weight_before: float = 0.0,
     overwrite: bool = False,
     compute_sumsq: bool = False,
+    nonfinite_out: Tensor | None = None,
 ) -> AccumulateResult:
     """Fold one micro-batch of gradients into the accumulators, in one pass.
 
@@ -119,9 +166,14 @@ def accumulate(
         weight_before: total weight already accumulated (``"running_mean"`` only).
         overwrite: replace instead of add.
         compute_sumsq: also return Σ acc² of the result (the norm for clipping, for free).
+        nonfinite_out: a one-element float32 tensor on the accumulators' device, set to 1 when
+            a gradient element is NaN or ±Inf and left as it was otherwise — so one flag
+            collects a whole cycle without reading anything back from a GPU.
 
     Returns:
-        AccumulateResult with the non-finite flag and the optional sum of squares.
+        AccumulateResult with the non-finite flag and the optional sum of squares (on CUDA:
+        ``nonfinite`` is ``nonfinite_out``, or a new 0-dim float32 device tensor, and ``sumsq``
+        a 0-dim float64 device tensor).
 
     Example:
         >>> import numpy as np
@@ -133,26 +185,51 @@ def accumulate(
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     weight = _check_real(weight, "weight")
     weight_before = _check_real(weight_before, "weight_before")
+    stream = _cuda_stream(_first(accumulators))
+    if stream is not None:
+        flag = nonfinite_out
+        if flag is None:
+            flag = _device_scalar(accumulators[0], "float32", fill=0.0)
+        sumsq_t = _device_scalar(accumulators[0], "float64") if compute_sumsq else None
+        load_core().accumulate(
+            accumulators, grads, weight, mode, weight_before, bool(overwrite),
+            bool(compute_sumsq), stream=stream, nonfinite_out=flag, sumsq_out=sumsq_t,
+        )
+        return AccumulateResult(flag, sumsq_t)
     nonfinite, sumsq = load_core().accumulate(
-        accumulators, grads, weight, mode, weight_before, bool(overwrite), bool(compute_sumsq)
+        accumulators, grads, weight, mode, weight_before, bool(overwrite), bool(compute_sumsq),
+        nonfinite_out=nonfinite_out,
     )
     return AccumulateResult(bool(nonfinite), sumsq)
 
 
-def sum_of_squares(tensors: Sequence[Tensor]) -> float:
-    """Σ x² over all elements of all tensors, in fp64 and a fixed order (deterministic)."""
+def sum_of_squares(tensors: Sequence[Tensor]) -> Any:
+    """Σ x² over all elements of all tensors, in fp64 and a fixed order (deterministic).
+
+    A float for CPU tensors; a 0-dim float64 device tensor for CUDA tensors.
+    """
+    stream = _cuda_stream(_first(tensors))
+    if stream is not None:
+        out = _device_scalar(tensors[0], "float64")
+        load_core().sum_of_squares(tensors, stream=stream, out=out)
+        return out
     return float(load_core().sum_of_squares(tensors))
 
 
-def global_norm(tensors: Sequence[Tensor]) -> float:
+def global_norm(tensors: Sequence[Tensor]) -> Any:
     """L2 norm over all elements of all tensors (deterministic, one pass).
+
+    A float for CPU tensors; a 0-dim float64 device tensor for CUDA tensors.
 
     Example:
         >>> import numpy as np
         >>> core.global_norm([np.array([3.0], np.float32), np.array([4.0], np.float32)])
         5.0
     """
-    return float(np.sqrt(sum_of_squares(tensors)))
+    s = sum_of_squares(tensors)
+    if not isinstance(s, float):
+        return s.sqrt()
+    return float(np.sqrt(s))
 
 
 def unit_layout(shape: Sequence[int], layout: str = "leading") -> tuple[int, str]:
@@ -198,13 +275,19 @@ def unitwise_norm(tensor: Tensor, *, layout: str = "leading", out: Tensor | None
     """Per-unit L2 norms of ``tensor`` (see :func:`unit_layout`).
 
     Returns:
-        ``out`` if given (float32 or float64, one element per unit), else a new float32 NumPy
-        array.
+        ``out`` if given (float32 or float64, one element per unit), else a new float32 array
+        (a NumPy array, or a torch tensor on the device of a CUDA ``tensor``).
     """
     num_units, lay = unit_layout(_shape(tensor, "tensor"), layout)
+    stream = _cuda_stream(tensor)
     if out is None:
-        out = np.empty(num_units, np.float32)
-    load_core().unitwise_norm(tensor, out, num_units, lay)
+        if stream is not None:
+            import torch
+
+            out = torch.empty(num_units, dtype=torch.float32, device=tensor.device)
+        else:
+            out = np.empty(num_units, np.float32)
+    load_core().unitwise_norm(tensor, out, num_units, lay, stream=stream or 0)
     return out
 
 
@@ -260,8 +343,10 @@ def adaptive_clip(
         layout: ``"leading"``, ``"trailing"`` or explicit ``(num_units, layout)`` per tensor.
     """
     units = _units(params, layout)
+    stream = _cuda_stream(_first(grads))
     load_core().adaptive_clip(
-        params, grads, units, _check_real(clip_factor, "clip_factor"), _check_real(eps, "eps")
+        params, grads, units, _check_real(clip_factor, "clip_factor"), _check_real(eps, "eps"),
+        stream=stream or 0,
     )
 
 
@@ -324,7 +409,8 @@ def apply(
         step: the optimizer step this update makes (1 for the first), for bias correction.
 
     Returns:
-        ApplyResult.
+        ApplyResult (with device tensors for CUDA tensors; ``clip_coef`` may then be a device
+        tensor too, so the coefficient is never read on the host).
 
     Example:
         >>> import numpy as np
@@ -354,6 +440,8 @@ def apply(
         if not (np.isfinite(agc_eps_value) and agc_eps_value >= 0):
             raise ValueError(f"agc_eps must be finite and >= 0, got {agc_eps!r}")
         units = _units(params, layout)
+    stream = _cuda_stream(_first(accumulators))
+    stats = _device_scalar(accumulators[0], "float32", 3) if stream is not None else None
     r = load_core().apply(
         params,
         accumulators,
@@ -381,7 +469,11 @@ def apply(
         _check_real(betas[1], "betas[1]"),
         _check_real(eps, "eps"),
         int(step),
+        stream=stream or 0,
+        stats_out=stats,
     )
+    if stats is not None:
+        return ApplyResult(stats[2], stats[0], stats[1])
     return ApplyResult(r["skipped"], r["grad_norm"], r["clip_coef"])
 
 
@@ -429,7 +521,7 @@ def bn_merge(
     return float(
         load_core().bn_merge(
             _check_real(count_a, "count_a"), mean_a, m2_a, _check_real(count_b, "count_b"),
-            mean_b, m2_b,
+            mean_b, m2_b, stream=_cuda_stream(mean_a) or 0,
         )
     )
 
@@ -452,22 +544,23 @@ def bn_update_running(
     load_core().bn_update_running(
         running_mean, running_var, mean, m2, _check_real(count, "count"),
         _check_real(momentum, "momentum"), bool(unbiased),
+        stream=_cuda_stream(running_mean) or 0,
     )
 
 
 def pack(src: Sequence[Tensor], flat: Tensor, *, scale: float = 1.0) -> None:
     """Copy ``src`` end to end into ``flat`` (times ``scale``), converting dtypes."""
-    load_core().pack(src, flat, _check_real(scale, "scale"))
+    load_core().pack(src, flat, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
 
 
 def unpack(flat: Tensor, dst: Sequence[Tensor], *, scale: float = 1.0) -> None:
     """Inverse of :func:`pack`: slices of ``flat`` (times ``scale``) into ``dst``."""
-    load_core().unpack(flat, dst, _check_real(scale, "scale"))
+    load_core().unpack(flat, dst, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
 
 
 def zero(tensors: Sequence[Tensor]) -> None:
     """Set every tensor to zero."""
-    load_core().zero(tensors)
+    load_core().zero(tensors, stream=_cuda_stream(_first(tensors)) or 0)
 
 
 class ArenaPlan(NamedTuple):

@@ -7,41 +7,62 @@
 
 using namespace ga::detail;
 
+namespace ga {
+namespace detail {
+
+void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_list& grads,
+                         const ga_accumulate_options* options, ga_device_type device,
+                         double* alpha_out, double* beta_out) {
+  if (options == nullptr) fail(kGaInvalidArgument, "options", "options is null");
+  check_list(accumulators, "accumulators");
+  check_list(grads, "grads");
+  check_same_sizes(accumulators, "accumulators", grads, "grads");
+  if (device == kGaCUDA) {
+    check_list_dtype_in(accumulators, "accumulators", {kGaFloat32});
+    check_list_dtype_in(grads, "grads", {kGaFloat32, kGaBFloat16, kGaFloat16});
+    int32_t id = -1;
+    check_all_cuda({{&accumulators, "accumulators"}, {&grads, "grads"}}, &id);
+  } else {
+    check_list_dtype_in(accumulators, "accumulators", {kGaFloat32, kGaFloat64});
+    check_list_dtype_in(grads, "grads", {kGaFloat32, kGaBFloat16, kGaFloat16, kGaFloat64});
+    check_all_cpu({{&accumulators, "accumulators"}, {&grads, "grads"}});
+  }
+  const double w = options->weight;
+  if (!std::isfinite(w) || w < 0)
+    fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
+  double alpha = 1.0, beta = w;
+  switch (options->mode) {
+    case kGaAccumulateSum: break;
+    case kGaAccumulateRunningMean: {
+      const double before = options->overwrite ? 0.0 : options->weight_before;
+      if (!std::isfinite(before) || before < 0)
+        fail(kGaInvalidArgument, "weight_before", "weight_before must be finite and >= 0");
+      const double total = before + w;
+      if (total <= 0)
+        fail(kGaInvalidArgument, "weight", "running mean needs a positive total weight");
+      alpha = before / total;
+      beta = w / total;
+      break;
+    }
+    default: fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
+  }
+  std::vector<Range> written, read;
+  add_ranges(written, accumulators, "accumulators");
+  add_ranges(read, grads, "grads");
+  check_disjoint(written, read);
+  *alpha_out = alpha;
+  *beta_out = beta;
+}
+
+}  // namespace detail
+}  // namespace ga
+
 extern "C" ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list grads,
                                    const ga_accumulate_options* options, int want_sumsq,
                                    ga_accumulate_result* result) {
   return guarded([&] {
-    if (options == nullptr) fail(kGaInvalidArgument, "options", "options is null");
-    check_list(accumulators, "accumulators");
-    check_list(grads, "grads");
-    check_same_sizes(accumulators, "accumulators", grads, "grads");
-    check_list_dtype_in(accumulators, "accumulators", {kGaFloat32, kGaFloat64});
-    check_list_dtype_in(grads, "grads", {kGaFloat32, kGaBFloat16, kGaFloat16, kGaFloat64});
-    check_all_cpu({{&accumulators, "accumulators"}, {&grads, "grads"}});
-    const double w = options->weight;
-    if (!std::isfinite(w) || w < 0)
-      fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
-    double alpha = 1.0, beta = w;
-    switch (options->mode) {
-      case kGaAccumulateSum: break;
-      case kGaAccumulateRunningMean: {
-        const double before = options->overwrite ? 0.0 : options->weight_before;
-        if (!std::isfinite(before) || before < 0)
-          fail(kGaInvalidArgument, "weight_before", "weight_before must be finite and >= 0");
-        const double total = before + w;
-        if (total <= 0)
-          fail(kGaInvalidArgument, "weight", "running mean needs a positive total weight");
-        alpha = before / total;
-        beta = w / total;
-        break;
-      }
-      default: fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
-    }
-    std::vector<Range> written, read;
-    add_ranges(written, accumulators, "accumulators");
-    add_ranges(read, grads, "grads");
-    check_disjoint(written, read);
-
+    double alpha = 1.0, beta = 1.0;
+    validate_accumulate(accumulators, grads, options, kGaCPU, &alpha, &beta);
     static thread_local std::vector<Chunk> chunks;
     static thread_local std::vector<uint8_t> bad;
     static thread_local std::vector<double> part;

@@ -67,6 +67,81 @@ void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_
 namespace ga {
 namespace detail {
 
+void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const char* acc_name,
+                    const char* param_name, ga_device_type device) {
+  validate_options(o, o.clip_coef != nullptr, t.accumulators.size);
+  const bool update = o.optimizer != kGaOptimizerNone;
+  const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
+  const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
+  const bool agc = o.clip == kGaClipAgc;
+
+  check_list(t.accumulators, acc_name);
+  if (device == kGaCUDA)
+    check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32});
+  else
+    check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32, kGaFloat64});
+  const ga_tensor_list empty{nullptr, 0};
+  const ga_tensor_list& params = (update || agc) ? t.params : empty;
+  if (update || agc) {
+    check_list(t.params, param_name);
+    check_same_sizes(t.accumulators, acc_name, t.params, param_name);
+    check_list_dtype_in(t.params, param_name, {kGaFloat32, kGaBFloat16, kGaFloat16});
+  }
+  auto check_state = [&](const ga_tensor_list& s, const char* name) {
+    check_list(s, name);
+    check_same_sizes(t.params, param_name, s, name);
+    for (int64_t i = 0; i < s.size; ++i) {
+      if (s.tensors[i].dtype != t.params.tensors[i].dtype && s.tensors[i].dtype != kGaFloat32) {
+        fail(kGaTypeError, item(name, i),
+             item(name, i) + " has dtype " + dtype_name(s.tensors[i].dtype) +
+                 "; optimizer state must have the parameter's dtype (" +
+                 dtype_name(t.params.tensors[i].dtype) + ") or float32");
+      }
+      if (i > 0 && (s.tensors[i].dtype == kGaFloat32) != (s.tensors[0].dtype == kGaFloat32) &&
+          t.params.tensors[i].dtype != kGaFloat32)
+        fail(kGaTypeError, item(name, i), item(name, i) + ": mixed state dtypes in one call");
+    }
+  };
+  const ga_tensor_list& s1 = (momentum || adam) ? t.state1 : empty;
+  const ga_tensor_list& s2 = adam ? t.state2 : empty;
+  if (momentum || adam) check_state(t.state1, "state1");
+  if (adam) {
+    check_state(t.state2, "state2");
+    for (int64_t i = 0; i < t.state2.size; ++i)
+      if (t.state2.tensors[i].dtype != t.state1.tensors[i].dtype)
+        fail(kGaTypeError, item("state2", i), item("state2", i) + " and state1 differ in dtype");
+  }
+  if (!update && o.reset && t.grads_out.size == 0)
+    fail(kGaInvalidArgument, "reset",
+         "reset would erase the gradient written in place; give grads_out or reset=0");
+  const ga_tensor_list& out = (!update) ? t.grads_out : empty;
+  if (!update && t.grads_out.size > 0) {
+    check_list(t.grads_out, "grads_out");
+    check_same_sizes(t.accumulators, acc_name, t.grads_out, "grads_out");
+    if (device == kGaCUDA)
+      check_list_dtype_in(t.grads_out, "grads_out", {kGaFloat32, kGaBFloat16, kGaFloat16});
+  }
+  if (device == kGaCUDA) {
+    int32_t id = -1;
+    check_all_cuda({{&t.accumulators, acc_name}, {&params, param_name}, {&s1, "state1"},
+                    {&s2, "state2"}, {&out, "grads_out"}}, &id);
+  } else {
+    check_all_cpu({{&t.accumulators, acc_name}, {&params, param_name}, {&s1, "state1"},
+                   {&s2, "state2"}, {&out, "grads_out"}});
+  }
+  if (agc) {
+    for (int64_t i = 0; i < t.accumulators.size; ++i)
+      check_units(t.accumulators.tensors[i], o.units[i], item("units", i));
+  }
+  std::vector<Range> written, read;
+  add_ranges(written, t.accumulators, acc_name);
+  add_ranges(update ? written : read, params, param_name);
+  add_ranges(written, s1, "state1");
+  add_ranges(written, s2, "state2");
+  add_ranges(written, out, "grads_out");
+  check_disjoint(written, read);
+}
+
 ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_apply_result* result,
                     const char* acc_name, const char* param_name) {
   return guarded([&] {
@@ -74,66 +149,8 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
     if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
     const ga_apply_tensors& t = *tp;
     const ga_apply_options& o = *op;
-    validate_options(o, o.clip_coef != nullptr, t.accumulators.size);
-    const bool update = o.optimizer != kGaOptimizerNone;
-    const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
-    const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
+    validate_apply(t, o, acc_name, param_name, kGaCPU);
     const bool agc = o.clip == kGaClipAgc;
-
-    check_list(t.accumulators, acc_name);
-    check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32, kGaFloat64});
-    const ga_tensor_list empty{nullptr, 0};
-    const ga_tensor_list& params = (update || agc) ? t.params : empty;
-    if (update || agc) {
-      check_list(t.params, param_name);
-      check_same_sizes(t.accumulators, acc_name, t.params, param_name);
-      check_list_dtype_in(t.params, param_name, {kGaFloat32, kGaBFloat16, kGaFloat16});
-    }
-    auto check_state = [&](const ga_tensor_list& s, const char* name) {
-      check_list(s, name);
-      check_same_sizes(t.params, param_name, s, name);
-      for (int64_t i = 0; i < s.size; ++i) {
-        if (s.tensors[i].dtype != t.params.tensors[i].dtype && s.tensors[i].dtype != kGaFloat32) {
-          fail(kGaTypeError, item(name, i),
-               item(name, i) + " has dtype " + dtype_name(s.tensors[i].dtype) +
-                   "; optimizer state must have the parameter's dtype (" +
-                   dtype_name(t.params.tensors[i].dtype) + ") or float32");
-        }
-        if (i > 0 && (s.tensors[i].dtype == kGaFloat32) != (s.tensors[0].dtype == kGaFloat32) &&
-            t.params.tensors[i].dtype != kGaFloat32)
-          fail(kGaTypeError, item(name, i), item(name, i) + ": mixed state dtypes in one call");
-      }
-    };
-    const ga_tensor_list& s1 = (momentum || adam) ? t.state1 : empty;
-    const ga_tensor_list& s2 = adam ? t.state2 : empty;
-    if (momentum || adam) check_state(t.state1, "state1");
-    if (adam) {
-      check_state(t.state2, "state2");
-      for (int64_t i = 0; i < t.state2.size; ++i)
-        if (t.state2.tensors[i].dtype != t.state1.tensors[i].dtype)
-          fail(kGaTypeError, item("state2", i), item("state2", i) + " and state1 differ in dtype");
-    }
-    if (!update && o.reset && t.grads_out.size == 0)
-      fail(kGaInvalidArgument, "reset",
-           "reset would erase the gradient written in place; give grads_out or reset=0");
-    const ga_tensor_list& out = (!update) ? t.grads_out : empty;
-    if (!update && t.grads_out.size > 0) {
-      check_list(t.grads_out, "grads_out");
-      check_same_sizes(t.accumulators, acc_name, t.grads_out, "grads_out");
-    }
-    check_all_cpu({{&t.accumulators, acc_name}, {&params, param_name}, {&s1, "state1"},
-                   {&s2, "state2"}, {&out, "grads_out"}});
-    if (agc) {
-      for (int64_t i = 0; i < t.accumulators.size; ++i)
-        check_units(t.accumulators.tensors[i], o.units[i], item("units", i));
-    }
-    std::vector<Range> written, read;
-    add_ranges(written, t.accumulators, acc_name);
-    add_ranges(update ? written : read, params, param_name);
-    add_ranges(written, s1, "state1");
-    add_ranges(written, s2, "state2");
-    add_ranges(written, out, "grads_out");
-    check_disjoint(written, read);
 
     // ---- everything is valid: from here on the call either completes or skips as a whole ----
     double grad_norm = -1.0, coef = 1.0;

@@ -103,6 +103,23 @@ void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const 
     for (int64_t i = 0; i < list->size; ++i) check_cpu(list->tensors[i], item(name, i));
 }
 
+void check_cuda(const ga_tensor& t, const std::string& name, int32_t* device) {
+  if (t.device_type != kGaCUDA)
+    fail(kGaTypeError, name,
+         name + " is a CPU tensor; every tensor of one call must be on the same CUDA device");
+  if (*device < 0) *device = t.device_id;
+  if (t.device_id != *device)
+    fail(kGaTypeError, name,
+         name + " is on cuda:" + std::to_string(t.device_id) + " but the call's other tensors "
+         "are on cuda:" + std::to_string(*device));
+}
+
+void check_all_cuda(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists,
+                    int32_t* device) {
+  for (const auto& [list, name] : lists)
+    for (int64_t i = 0; i < list->size; ++i) check_cuda(list->tensors[i], item(name, i), device);
+}
+
 void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name) {
   if (t.numel == 0) return;
   const uintptr_t b = reinterpret_cast<uintptr_t>(t.data);

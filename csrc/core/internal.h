@@ -71,6 +71,10 @@ void check_list_dtype_in(const ga_tensor_list& l, const std::string& name,
 /// All tensors of the core's CPU kernels must be on the CPU (CUDA ones go to the CUDA build).
 void check_cpu(const ga_tensor& t, const std::string& name);
 void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists);
+/// For the CUDA entry points: every tensor on a CUDA device, the same one (*device, -1 = any yet).
+void check_cuda(const ga_tensor& t, const std::string& name, int32_t* device);
+void check_all_cuda(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists,
+                    int32_t* device);
 
 /// A named byte range, for overlap checks.
 struct Range {
@@ -82,6 +86,25 @@ void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& n
 /// Fails with kGaInvalidArgument naming both tensors if any two written ranges overlap, or a
 /// written range overlaps a read range (pairs listed in `allowed_same` may coincide exactly).
 void check_disjoint(std::vector<Range> written, const std::vector<Range>& read);
+
+// ---- validation of each op family, shared by the CPU and CUDA entry points: everything is
+// checked before anything is written; `device` selects the device and dtype rules ----
+
+void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_list& grads,
+                         const ga_accumulate_options* options, ga_device_type device,
+                         double* alpha, double* beta);
+void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const char* acc_name,
+                    const char* param_name, ga_device_type device);
+void validate_unitwise_norm(const ga_tensor& tensor, const ga_units& units, const ga_tensor& norms,
+                            ga_device_type device);
+void validate_flat(const ga_tensor_list& list, const char* list_name, const ga_tensor& flat,
+                   double scale, ga_device_type device);
+void validate_bn_merge(const double* count_a, const ga_tensor& mean_a, const ga_tensor& m2_a,
+                       double count_b, const ga_tensor& mean_b, const ga_tensor& m2_b,
+                       ga_device_type device);
+void validate_bn_update(const ga_tensor& running_mean, const ga_tensor& running_var,
+                        const ga_tensor& mean, const ga_tensor& m2, double count,
+                        double new_weight, int unbiased, ga_device_type device);
 
 // ---- CPU kernels, compiled once per instruction set and chosen at run time ----
 

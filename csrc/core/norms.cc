@@ -48,22 +48,39 @@ extern "C" ga_status ga_sum_of_squares(ga_tensor_list tensors, double* sumsq) {
   });
 }
 
-extern "C" ga_status ga_unitwise_norm(ga_tensor tensor, ga_units units, ga_tensor norms) {
-  return guarded([&] {
-    check_tensor(tensor, "tensor");
-    check_tensor(norms, "norms");
-    check_units(tensor, units, "units");
-    check_dtype_in(norms, "norms", {kGaFloat32, kGaFloat64});
-    if (norms.numel != units.num_units)
-      fail(kGaInvalidArgument, "norms",
-           "norms has " + std::to_string(norms.numel) + " elements, expected " +
-               std::to_string(units.num_units));
+namespace ga {
+namespace detail {
+
+void validate_unitwise_norm(const ga_tensor& tensor, const ga_units& units, const ga_tensor& norms,
+                            ga_device_type device) {
+  check_tensor(tensor, "tensor");
+  check_tensor(norms, "norms");
+  check_units(tensor, units, "units");
+  check_dtype_in(norms, "norms", {kGaFloat32, kGaFloat64});
+  if (norms.numel != units.num_units)
+    fail(kGaInvalidArgument, "norms",
+         "norms has " + std::to_string(norms.numel) + " elements, expected " +
+             std::to_string(units.num_units));
+  if (device == kGaCUDA) {
+    int32_t id = -1;
+    check_cuda(tensor, "tensor", &id);
+    check_cuda(norms, "norms", &id);
+  } else {
     check_cpu(tensor, "tensor");
     check_cpu(norms, "norms");
-    std::vector<Range> w, r;
-    add_range(w, norms, "norms");
-    add_range(r, tensor, "tensor");
-    check_disjoint(w, r);
+  }
+  std::vector<Range> w, r;
+  add_range(w, norms, "norms");
+  add_range(r, tensor, "tensor");
+  check_disjoint(w, r);
+}
+
+}  // namespace detail
+}  // namespace ga
+
+extern "C" ga_status ga_unitwise_norm(ga_tensor tensor, ga_units units, ga_tensor norms) {
+  return guarded([&] {
+    validate_unitwise_norm(tensor, units, norms, kGaCPU);
     std::vector<double> s(static_cast<size_t>(units.num_units));
     cpu_kernels().unit_sumsq(UnitSumsqArgs{tensor, units, s.data()});
     for (int64_t u = 0; u < units.num_units; ++u) {

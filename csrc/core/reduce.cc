@@ -7,10 +7,11 @@
 
 using namespace ga::detail;
 
-namespace {
+namespace ga {
+namespace detail {
 
-void check_flat(const ga_tensor_list& list, const char* list_name, const ga_tensor& flat,
-                double scale) {
+void validate_flat(const ga_tensor_list& list, const char* list_name, const ga_tensor& flat,
+                   double scale, ga_device_type device) {
   check_list(list, list_name);
   check_tensor(flat, "flat");
   if (!std::isfinite(scale)) fail(kGaInvalidArgument, "scale", "scale must be finite");
@@ -20,19 +21,27 @@ void check_flat(const ga_tensor_list& list, const char* list_name, const ga_tens
     fail(kGaInvalidArgument, "flat",
          "flat has " + std::to_string(flat.numel) + " elements but the tensors need " +
              std::to_string(total));
-  check_all_cpu({{&list, list_name}});
-  check_cpu(flat, "flat");
+  if (device == kGaCUDA) {
+    int32_t id = -1;
+    check_all_cuda({{&list, list_name}}, &id);
+    check_cuda(flat, "flat", &id);
+  } else {
+    check_all_cpu({{&list, list_name}});
+    check_cpu(flat, "flat");
+  }
+  const bool to_flat = std::string(list_name) == "src";
+  std::vector<Range> w, r;
+  add_range(to_flat ? w : r, flat, "flat");
+  add_ranges(to_flat ? r : w, list, list_name);
+  check_disjoint(w, r);
 }
 
-}  // namespace
+}  // namespace detail
+}  // namespace ga
 
 extern "C" ga_status ga_pack(ga_tensor_list src, ga_tensor flat, double scale) {
   return guarded([&] {
-    check_flat(src, "src", flat, scale);
-    std::vector<Range> w, r;
-    add_range(w, flat, "flat");
-    add_ranges(r, src, "src");
-    check_disjoint(w, r);
+    validate_flat(src, "src", flat, scale, kGaCPU);
     int64_t off = 0;
     for (int64_t i = 0; i < src.size; ++i) {
       cpu_kernels().copy_scaled(src.tensors[i], 0, flat, off, src.tensors[i].numel, scale);
@@ -43,11 +52,7 @@ extern "C" ga_status ga_pack(ga_tensor_list src, ga_tensor flat, double scale) {
 
 extern "C" ga_status ga_unpack(ga_tensor flat, ga_tensor_list dst, double scale) {
   return guarded([&] {
-    check_flat(dst, "dst", flat, scale);
-    std::vector<Range> w, r;
-    add_ranges(w, dst, "dst");
-    add_range(r, flat, "flat");
-    check_disjoint(w, r);
+    validate_flat(dst, "dst", flat, scale, kGaCPU);
     int64_t off = 0;
     for (int64_t i = 0; i < dst.size; ++i) {
       cpu_kernels().copy_scaled(flat, off, dst.tensors[i], 0, dst.tensors[i].numel, scale);

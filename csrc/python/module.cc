@@ -47,6 +47,27 @@ void call_core(F&& f) {
   }
 }
 
+bool is_cuda(const std::vector<TensorRef>& refs) {
+  return !refs.empty() && refs[0].desc.device_type == kGaCUDA;
+}
+
+/// The data pointer of an optional one-element device output (e.g. a flag) checked for dtype,
+/// size and device; nullptr for None.
+template <typename T>
+T* scalar_out(const py::object& obj, const char* name, ga_dtype dtype, int64_t numel,
+              ga_device_type device, TensorRef& keep) {
+  if (obj.is_none()) return nullptr;
+  keep = import_tensor(obj, name, true);
+  if (keep.desc.dtype != dtype || keep.desc.numel != numel)
+    throw py::type_error(std::string(name) + " must be a " + (dtype == kGaFloat64 ? "float64" : "float32") +
+                         " tensor of " + std::to_string(numel) + " element(s)");
+  if (keep.desc.device_type != device)
+    throw py::type_error(std::string(name) + " must be on the same device as the tensors");
+  return static_cast<T*>(keep.desc.data);
+}
+
+void* as_stream(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
+
 ga_accumulate_mode parse_mode(const std::string& mode) {
   if (mode == "sum" || mode == "mean") return kGaAccumulateSum;
   if (mode == "running_mean") return kGaAccumulateRunningMean;
@@ -84,26 +105,50 @@ std::vector<ga_units> parse_units(const py::object& units, size_t n) {
 
 py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
                      const std::string& mode, double weight_before, bool overwrite,
-                     bool compute_sumsq) {
+                     bool compute_sumsq, uintptr_t stream, const py::object& nonfinite_out,
+                     const py::object& sumsq_out) {
   ga_accumulate_options o{parse_mode(mode), weight, weight_before, overwrite ? 1 : 0};
   auto acc = import_list(accumulators, "accumulators", true);
   auto g = import_list(grads, "grads", false);
   auto ad = descriptors(acc), gd = descriptors(g);
+  const ga_device_type dev = is_cuda(acc) ? kGaCUDA : kGaCPU;
+  TensorRef flag_ref, sumsq_ref;
+  float* flag = scalar_out<float>(nonfinite_out, "nonfinite_out", kGaFloat32, 1, dev, flag_ref);
+  double* sumsq = scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, sumsq_ref);
+  if (dev == kGaCUDA) {
+    // Results stay on the device: the flag and the sum of squares go to the given tensors.
+    call_core([&] {
+      return ga_cuda_accumulate(as_list(ad), as_list(gd), &o, flag,
+                                compute_sumsq ? sumsq : nullptr, as_stream(stream));
+    });
+    return py::make_tuple(py::none(), py::none());
+  }
   ga_accumulate_result r{};
   call_core([&] { return ga_accumulate(as_list(ad), as_list(gd), &o, compute_sumsq, &r); });
+  if (flag != nullptr && r.nonfinite) *flag = 1.0f;
+  if (sumsq != nullptr && compute_sumsq) *sumsq = r.sumsq;
   return py::make_tuple(r.nonfinite != 0, compute_sumsq ? py::cast(r.sumsq) : py::none());
 }
 
-double sum_of_squares(py::handle tensors) {
+py::object sum_of_squares(py::handle tensors, uintptr_t stream, const py::object& out) {
   auto t = import_list(tensors, "tensors", false);
   auto d = descriptors(t);
+  const ga_device_type dev = is_cuda(t) ? kGaCUDA : kGaCPU;
+  TensorRef out_ref;
+  double* o = scalar_out<double>(out, "out", kGaFloat64, 1, dev, out_ref);
+  if (dev == kGaCUDA) {
+    if (o == nullptr) throw py::value_error("out is required for CUDA tensors");
+    call_core([&] { return ga_cuda_sum_of_squares(as_list(d), o, as_stream(stream)); });
+    return py::none();
+  }
   double s = 0;
   call_core([&] { return ga_sum_of_squares(as_list(d), &s); });
-  return s;
+  if (o != nullptr) *o = s;
+  return py::cast(s);
 }
 
 void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
-                   const std::string& layout) {
+                   const std::string& layout, uintptr_t stream) {
   auto t = import_tensor(tensor, "tensor", false);
   // The Python API calls the output `out`: check it here so that errors name it so.
   auto n = import_tensor(norms, "out", true);
@@ -119,11 +164,14 @@ void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
       nb < tb + t.desc.numel * ga_dtype_size(t.desc.dtype))
     throw py::value_error("out overlaps tensor in memory (the buffers must not alias)");
   auto u = parse_units(py::cast(std::vector<std::pair<int64_t, std::string>>{{num_units, layout}}), 1);
-  call_core([&] { return ga_unitwise_norm(t.desc, u[0], n.desc); });
+  if (t.desc.device_type == kGaCUDA)
+    call_core([&] { return ga_cuda_unitwise_norm(t.desc, u[0], n.desc, as_stream(stream)); });
+  else
+    call_core([&] { return ga_unitwise_norm(t.desc, u[0], n.desc); });
 }
 
 void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
-                   double clip_factor, double eps) {
+                   double clip_factor, double eps, uintptr_t stream) {
   auto p = import_list(params, "params", false);
   auto g = import_list(grads, "grads", true);
   auto pd = descriptors(p), gd = descriptors(g);
@@ -132,7 +180,13 @@ void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
                           std::to_string(pd.size()));
   auto u = parse_units(units, gd.size());
   if (u.size() != gd.size()) throw py::value_error("units is required");
-  call_core([&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
+  if (is_cuda(g))
+    call_core([&] {
+      return ga_cuda_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps,
+                                   as_stream(stream));
+    });
+  else
+    call_core([&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
 }
 
 py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
@@ -141,7 +195,8 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
                double clip_factor, double agc_eps, py::object units, bool skip_nonfinite,
                bool reset, double lr, double weight_decay, bool maximize, double momentum,
                double dampening, bool nesterov, bool momentum_initialized, double beta1,
-               double beta2, double eps, int64_t step) {
+               double beta2, double eps, int64_t step, uintptr_t stream,
+               const py::object& stats_out) {
   ga_apply_options o{};
   o.optimizer = parse_optimizer(optimizer);
   o.grad_scale = grad_scale;
@@ -176,15 +231,20 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
   auto s1 = import_list(state1.is_none() ? empty : state1, "state1", true);
   auto s2 = import_list(state2.is_none() ? empty : state2, "state2", true);
   auto go = import_list(grads_out.is_none() ? empty : grads_out, "grads_out", true);
+  const ga_device_type dev = is_cuda(a) ? kGaCUDA : kGaCPU;
   TensorRef coef;
   if (!clip_coef.is_none()) {
     coef = import_tensor(clip_coef, "clip_coef", false);
     if (coef.desc.dtype != kGaFloat32 || coef.desc.numel != 1)
       throw py::type_error("clip_coef must be a float32 tensor of one element");
-    if (coef.desc.device_type != kGaCPU)
-      throw py::type_error("clip_coef must be on the CPU for CPU tensors");
+    if (coef.desc.device_type != dev)
+      throw py::type_error(dev == kGaCUDA ? "clip_coef must be on the accumulators' CUDA device"
+                                          : "clip_coef must be on the CPU for CPU tensors");
     o.clip_coef = static_cast<const float*>(coef.desc.data);
   }
+  TensorRef stats_ref;
+  auto* stats = scalar_out<ga_cuda_apply_stats>(stats_out, "stats_out", kGaFloat32, 3, dev,
+                                                stats_ref);
   auto pd = descriptors(p), ad = descriptors(a), s1d = descriptors(s1), s2d = descriptors(s2),
        god = descriptors(go);
   if (!units.is_none() && pd.size() != ad.size())
@@ -196,9 +256,18 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
     o.units = u.data();
   }
   ga_apply_tensors t{as_list(pd), as_list(ad), as_list(s1d), as_list(s2d), as_list(god)};
+  py::dict out;
+  if (dev == kGaCUDA) {
+    // The outcome stays on the device, in stats_out (grad_norm, clip_coef, skipped).
+    call_core([&] { return ga_cuda_apply(&t, &o, nullptr, stats, as_stream(stream)); });
+    out["skipped"] = py::none();
+    out["grad_norm"] = py::none();
+    out["clip_coef"] = py::none();
+    return out;
+  }
+  if (stats != nullptr) throw py::value_error("stats_out is for CUDA tensors");
   ga_apply_result r{};
   call_core([&] { return ga_apply(&t, &o, &r); });
-  py::dict out;
   out["skipped"] = r.skipped != 0;
   out["grad_norm"] = r.grad_norm >= 0 ? py::cast(r.grad_norm) : py::none();
   out["clip_coef"] = r.clip_coef >= 0 ? py::cast(r.clip_coef) : py::none();
@@ -214,44 +283,65 @@ void bn_moments(py::handle x, int64_t outer, int64_t channels, int64_t inner, py
 }
 
 double bn_merge(double count_a, py::handle mean_a, py::handle m2_a, double count_b,
-                py::handle mean_b, py::handle m2_b) {
+                py::handle mean_b, py::handle m2_b, uintptr_t stream) {
   auto ma = import_tensor(mean_a, "mean_a", true);
   auto qa = import_tensor(m2_a, "m2_a", true);
   auto mb = import_tensor(mean_b, "mean_b", false);
   auto qb = import_tensor(m2_b, "m2_b", false);
-  call_core([&] { return ga_bn_merge(&count_a, ma.desc, qa.desc, count_b, mb.desc, qb.desc); });
+  if (ma.desc.device_type == kGaCUDA)
+    call_core([&] {
+      return ga_cuda_bn_merge(&count_a, ma.desc, qa.desc, count_b, mb.desc, qb.desc,
+                              as_stream(stream));
+    });
+  else
+    call_core([&] { return ga_bn_merge(&count_a, ma.desc, qa.desc, count_b, mb.desc, qb.desc); });
   return count_a;
 }
 
 void bn_update_running(py::handle running_mean, py::handle running_var, py::handle mean,
-                       py::handle m2, double count, double new_weight, bool unbiased) {
+                       py::handle m2, double count, double new_weight, bool unbiased,
+                       uintptr_t stream) {
   auto rm = import_tensor(running_mean, "running_mean", true);
   auto rv = import_tensor(running_var, "running_var", true);
   auto m = import_tensor(mean, "mean", false);
   auto q = import_tensor(m2, "m2", false);
   call_core([&] {
+    if (rm.desc.device_type == kGaCUDA)
+      return ga_cuda_bn_update_running(rm.desc, rv.desc, m.desc, q.desc, count, new_weight,
+                                       unbiased, as_stream(stream));
     return ga_bn_update_running(rm.desc, rv.desc, m.desc, q.desc, count, new_weight, unbiased);
   });
 }
 
-void pack(py::handle src, py::handle flat, double scale) {
+void pack(py::handle src, py::handle flat, double scale, uintptr_t stream) {
   auto s = import_list(src, "src", false);
   auto f = import_tensor(flat, "flat", true);
   auto sd = descriptors(s);
-  call_core([&] { return ga_pack(as_list(sd), f.desc, scale); });
+  call_core([&] {
+    if (f.desc.device_type == kGaCUDA)
+      return ga_cuda_pack(as_list(sd), f.desc, scale, as_stream(stream));
+    return ga_pack(as_list(sd), f.desc, scale);
+  });
 }
 
-void unpack(py::handle flat, py::handle dst, double scale) {
+void unpack(py::handle flat, py::handle dst, double scale, uintptr_t stream) {
   auto f = import_tensor(flat, "flat", false);
   auto d = import_list(dst, "dst", true);
   auto dd = descriptors(d);
-  call_core([&] { return ga_unpack(f.desc, as_list(dd), scale); });
+  call_core([&] {
+    if (f.desc.device_type == kGaCUDA)
+      return ga_cuda_unpack(f.desc, as_list(dd), scale, as_stream(stream));
+    return ga_unpack(f.desc, as_list(dd), scale);
+  });
 }
 
-void zero(py::handle tensors) {
+void zero(py::handle tensors, uintptr_t stream) {
   auto t = import_list(tensors, "tensors", true);
   auto d = descriptors(t);
-  call_core([&] { return ga_zero(as_list(d)); });
+  call_core([&] {
+    if (is_cuda(t)) return ga_cuda_zero(as_list(d), as_stream(stream));
+    return ga_zero(as_list(d));
+  });
 }
 
 py::tuple arena_plan(const std::vector<int64_t>& numels, int64_t alignment, int64_t bucket_numel,
@@ -295,31 +385,36 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_isa", [] { return std::string(ga_cpu_isa()); });
   m.def("num_threads", &ga_cpu_num_threads);
   m.def("has_cuda", [] { return ga_has_cuda() != 0; });
+  m.def("cuda_device_count", &ga_cuda_device_count);
   m.def("accumulate", &accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("weight"),
         py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
-        py::arg("compute_sumsq"));
-  m.def("sum_of_squares", &sum_of_squares, py::arg("tensors"));
+        py::arg("compute_sumsq"), py::arg("stream") = 0, py::arg("nonfinite_out") = py::none(),
+        py::arg("sumsq_out") = py::none());
+  m.def("sum_of_squares", &sum_of_squares, py::arg("tensors"), py::arg("stream") = 0,
+        py::arg("out") = py::none());
   m.def("unitwise_norm", &unitwise_norm, py::arg("tensor"), py::arg("norms"),
-        py::arg("num_units"), py::arg("layout"));
+        py::arg("num_units"), py::arg("layout"), py::arg("stream") = 0);
   m.def("adaptive_clip", &adaptive_clip, py::arg("params"), py::arg("grads"), py::arg("units"),
-        py::arg("clip_factor"), py::arg("eps"));
+        py::arg("clip_factor"), py::arg("eps"), py::arg("stream") = 0);
   m.def("apply", &apply, py::arg("params"), py::arg("accumulators"), py::arg("state1"),
         py::arg("state2"), py::arg("grads_out"), py::arg("optimizer"), py::arg("grad_scale"),
         py::arg("clip"), py::arg("max_norm"), py::arg("clip_coef"), py::arg("clip_factor"),
         py::arg("agc_eps"), py::arg("units"), py::arg("skip_nonfinite"), py::arg("reset"),
         py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"), py::arg("momentum"),
         py::arg("dampening"), py::arg("nesterov"), py::arg("momentum_initialized"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"));
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"),
+        py::arg("stream") = 0, py::arg("stats_out") = py::none());
   m.def("bn_moments", &bn_moments, py::arg("x"), py::arg("outer"), py::arg("channels"),
         py::arg("inner"), py::arg("mean"), py::arg("m2"));
   m.def("bn_merge", &bn_merge, py::arg("count_a"), py::arg("mean_a"), py::arg("m2_a"),
-        py::arg("count_b"), py::arg("mean_b"), py::arg("m2_b"));
+        py::arg("count_b"), py::arg("mean_b"), py::arg("m2_b"), py::arg("stream") = 0);
   m.def("bn_update_running", &bn_update_running, py::arg("running_mean"),
         py::arg("running_var"), py::arg("mean"), py::arg("m2"), py::arg("count"),
-        py::arg("new_weight"), py::arg("unbiased"));
-  m.def("pack", &pack, py::arg("src"), py::arg("flat"), py::arg("scale"));
-  m.def("unpack", &unpack, py::arg("flat"), py::arg("dst"), py::arg("scale"));
-  m.def("zero", &zero, py::arg("tensors"));
+        py::arg("new_weight"), py::arg("unbiased"), py::arg("stream") = 0);
+  m.def("pack", &pack, py::arg("src"), py::arg("flat"), py::arg("scale"), py::arg("stream") = 0);
+  m.def("unpack", &unpack, py::arg("flat"), py::arg("dst"), py::arg("scale"),
+        py::arg("stream") = 0);
+  m.def("zero", &zero, py::arg("tensors"), py::arg("stream") = 0);
   m.def("arena_plan", &arena_plan, py::arg("numels"), py::arg("alignment"),
         py::arg("bucket_numel"), py::arg("reverse"));
   py::class_<Arena>(m, "Arena")

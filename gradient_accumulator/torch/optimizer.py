@@ -219,6 +219,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._accs = [
             self._flat[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, self._params)
         ]
+        # On CUDA the core raises a device flag for non-finite gradients instead of returning a
+        # Python bool, so micro-steps never wait for the GPU; the flag is read once per cycle.
+        self._cuda = self._flat.is_cuda
+        self._device_flag = (
+            torch.zeros((), dtype=torch.float32, device=self._flat.device) if self._cuda else None
+        )
         self._reducer: BucketReducer | None = None
         self._hooks: list[Any] = []
         self._next_weight: float | None = None
@@ -243,7 +249,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._overlap_weight = 1.0
         self._hooked: set[int] = set()  # parameters the hooks folded in this micro-batch
         self.update_applied = False
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: Any = None
+        self._clip_coef: torch.Tensor | None = None
 
     # ---- configuration helpers ----
 
@@ -391,7 +398,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 fresh_g.append(g)
         mode = "running_mean" if self.reduction == "running_mean" else "sum"
         want_norm = (boundary and self.max_grad_norm is not None and not self._distributed
-                     and self.reduction != "running_mean")
+                     and self.reduction != "running_mean" and not self._cuda)
         # Validate everything before writing: both calls below check their lists first, and the
         # second cannot fail on input the first accepted (same checks, disjoint tensors).
         nonfinite = False
@@ -401,9 +408,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 continue
             r = core.accumulate(
                 accs, grads, weight=weight, mode=mode, weight_before=self._total_weight,
-                overwrite=overwrite, compute_sumsq=want_norm,
+                overwrite=overwrite, compute_sumsq=want_norm, nonfinite_out=self._device_flag,
             )
-            nonfinite |= r.nonfinite
+            if not self._cuda:
+                nonfinite |= r.nonfinite
             if want_norm:
                 sumsq += r.sumsq
         if first:
@@ -491,6 +499,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._growth_tracker = tracker
         scaler.update(new_scale)
 
+    def _collect_device_flag(self) -> None:
+        """Fold the CUDA non-finite flag into ``_nonfinite`` (one device read per cycle)."""
+        if self._device_flag is not None:
+            self._nonfinite |= bool(self._device_flag.item())
+            self._device_flag.zero_()
+
     def _reduce(self) -> None:
         """Sum the accumulators, weights and non-finite flags over all ranks (one round)."""
         assert self._reducer is not None
@@ -535,8 +549,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 [self._accs[i]], [g], weight=weight,
                 mode="running_mean" if self.reduction == "running_mean" else "sum",
                 weight_before=self._total_weight - weight, overwrite=fresh,
+                nonfinite_out=self._device_flag,
             )
-        self._nonfinite |= r.nonfinite
+        if not self._cuda:
+            self._nonfinite |= r.nonfinite
         self._seen[i] = True
         self._hooked.add(i)
         p.grad = None
@@ -556,6 +572,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         return self._reducer.bytes_reduced if self._reducer is not None else 0
 
     def _apply(self) -> bool:
+        self._collect_device_flag()
         if self._distributed:
             self._reduce()
         idx = [i for i in range(len(self._params)) if self._seen[i]]
@@ -566,7 +583,18 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = float("nan")
             return False
         scale = self._grad_scale()
-        if self.max_grad_norm is not None:
+        self._clip_coef = None
+        if self.max_grad_norm is not None and self._cuda:
+            # Norm and coefficient stay on the device; every apply call reads the coefficient.
+            if idx:
+                norm_t = core.sum_of_squares([self._accs[i] for i in idx]).sqrt() * abs(scale)
+            else:
+                norm_t = torch.zeros((), dtype=torch.float64, device=self._flat.device)
+            self._clip_coef = (
+                (self.max_grad_norm / (norm_t + 1e-6)).clamp(max=1.0).to(torch.float32).reshape(1)
+            )
+            self.last_grad_norm = norm_t
+        elif self.max_grad_norm is not None:
             sumsq = self._sumsq
             if sumsq is None:
                 sumsq = core.sum_of_squares([self._accs[i] for i in idx]) if idx else 0.0
@@ -636,6 +664,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             weight_decay=_float(group["weight_decay"]), maximize=bool(group.get("maximize")),
             momentum=momentum, dampening=_float(group["dampening"]),
             nesterov=bool(group["nesterov"]), momentum_initialized=initialized,
+            clip_coef=None if agc else self._clip_coef,
         )
 
     def _apply_adam(self, group: dict, gidx: list[int], scale: float) -> None:
@@ -667,6 +696,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     weight_decay=_float(group["weight_decay"]),
                     maximize=bool(group.get("maximize")), betas=(beta1, beta2),
                     eps=_float(group["eps"]), step=int(step) + 1,
+                    clip_coef=None if agc else self._clip_coef,
                 )
                 for s in states:
                     s["step"] += 1
@@ -683,6 +713,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 [self._accs[i] for i in ids], optimizer="none", grad_scale=scale,
                 grads_out=[self._params[i].grad for i in ids], agc=agc,
                 clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
+                clip_coef=None if agc else self._clip_coef,
             )
         self.optimizer.step()
         for p in self._params:
@@ -692,6 +723,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus the accumulators and the cycle's position."""
+        self._collect_device_flag()
         return {
             "optimizer": self.optimizer.state_dict(),
             "accumulation": {
@@ -723,6 +755,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._flat.copy_(flat)
+        if self._device_flag is not None:
+            self._device_flag.zero_()
         self._micro_step = int(acc["micro_step"])
         self._total_weight = float(acc["total_weight"])
         self._nonfinite = bool(acc["nonfinite"])

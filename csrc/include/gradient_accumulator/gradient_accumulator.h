@@ -9,5 +9,6 @@
 #include "gradient_accumulator/apply.h"
 #include "gradient_accumulator/batchnorm.h"
 #include "gradient_accumulator/reduce.h"
+#include "gradient_accumulator/cuda.h"
 
 #endif  /* GRADIENT_ACCUMULATOR_GRADIENT_ACCUMULATOR_H_ */

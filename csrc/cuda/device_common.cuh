@@ -1,0 +1,305 @@
+// Building blocks of the CUDA kernels, written once for the device and the host.
+//
+// Every kernel body in csrc/cuda is an ordinary function of (chunk, thread) marked GA_HD. nvcc
+// compiles it for the GPU, wrapped in a __global__ kernel (cuda_api.cu); a plain C++ compiler
+// compiles the same body for the host, where csrc/tests/cuda_emulated_test.cc runs it block by
+// block and thread by thread against fp64 references. So the indexing, vectorisation, tails,
+// dtype conversions and reduction orders of the GPU code are tested on machines without a GPU.
+#ifndef GRADIENT_ACCUMULATOR_CUDA_DEVICE_COMMON_CUH_
+#define GRADIENT_ACCUMULATOR_CUDA_DEVICE_COMMON_CUH_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define GA_HD __host__ __device__ __forceinline__
+#else
+#define GA_HD inline
+#endif
+
+namespace ga {
+namespace cuda {
+
+constexpr int kThreads = 256;          // threads per block of the chunked kernels
+constexpr int kWarp = 32;
+constexpr int kVec = 8;                // elements a thread handles per step: 16-byte loads
+constexpr int64_t kChunk = 16384;      // elements per chunk: one block's unit of work
+constexpr int kMaxTensors = 48;        // tensors per launch (the argument block stays < 4 KiB)
+
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+
+// ---- bit casts and conversions (round to nearest even; identical on host and device) ----
+
+GA_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+GA_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+GA_HD float to_f(float x) { return x; }
+GA_HD float to_f(bf16 x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
+GA_HD float to_f(f16 x) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(x.bits));
+#else
+  const uint32_t h = x.bits;
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t mag = h & 0x7fffu;
+  float f;
+  if (mag >= 0x7c00u) {
+    f = bits_to_float(0x7f800000u | ((mag & 0x3ffu) << 13));
+  } else {
+    f = bits_to_float(mag << 13) * 5.192296858534828e+33f;  // rebias by 2^112
+  }
+  return bits_to_float(float_to_bits(f) | sign);
+#endif
+}
+
+template <typename T>
+GA_HD T from_f(float x);
+template <>
+GA_HD float from_f<float>(float x) {
+  return x;
+}
+template <>
+GA_HD bf16 from_f<bf16>(float x) {
+#if defined(__CUDA_ARCH__)
+  return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(x))};
+#else
+  const uint32_t u = float_to_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  return bf16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+#endif
+}
+template <>
+GA_HD f16 from_f<f16>(float x) {
+#if defined(__CUDA_ARCH__)
+  return f16{__half_as_ushort(__float2half_rn(x))};
+#else
+  const uint32_t u = float_to_bits(x);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t mag = u & 0x7fffffffu;
+  uint32_t out;
+  if (mag > 0x7f800000u) {
+    out = 0x7e00u | ((mag >> 13) & 0x3ffu);
+  } else if (mag >= 0x477ff000u) {
+    out = 0x7c00u;
+  } else if (mag < 0x38800000u) {
+    const float r = bits_to_float(mag) + 0.5f;  // the FPU rounds to the fp16 subnormal grid
+    out = float_to_bits(r) - 0x3f000000u;
+  } else {
+    out = (mag + 0xc8000fffu + ((mag >> 13) & 1u)) >> 13;
+  }
+  return f16{static_cast<uint16_t>(out | sign)};
+#endif
+}
+
+GA_HD bool is_finite(float x) { return (float_to_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
+GA_HD float fma_f(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+GA_HD float sqrt_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
+GA_HD float div_f(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// ---- N consecutive elements ↔ floats. N == kVec: 16-byte vector accesses (the pointer is
+// 16-byte aligned, checked on the host); N == 1: one scalar access. ----
+
+template <int N, typename T>
+GA_HD void load(const T* p, float* v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (N * sizeof(T) % 16 == 0) {
+    constexpr int kWords = N * static_cast<int>(sizeof(T)) / 16;
+    uint4 w[kWords];
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) w[k] = reinterpret_cast<const uint4*>(p)[k];
+    const T* e = reinterpret_cast<const T*>(w);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = to_f(e[k]);
+  } else {
+    for (int k = 0; k < N; ++k) v[k] = to_f(p[k]);
+  }
+#else
+  for (int k = 0; k < N; ++k) v[k] = to_f(p[k]);
+#endif
+}
+
+template <int N, typename T>
+GA_HD void store(T* p, const float* v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (N * sizeof(T) % 16 == 0) {
+    constexpr int kWords = N * static_cast<int>(sizeof(T)) / 16;
+    uint4 w[kWords];
+    T* e = reinterpret_cast<T*>(w);
+#pragma unroll
+    for (int k = 0; k < N; ++k) e[k] = from_f<T>(v[k]);
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) reinterpret_cast<uint4*>(p)[k] = w[k];
+  } else {
+    for (int k = 0; k < N; ++k) p[k] = from_f<T>(v[k]);
+  }
+#else
+  for (int k = 0; k < N; ++k) p[k] = from_f<T>(v[k]);
+#endif
+}
+
+// ---- launch metadata: up to kMaxTensors tensors of L parallel lists, cut into chunks ----
+
+template <int L>
+struct Meta {
+  void* ptr[L][kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int64_t fan_in[kMaxTensors];     // units: elements per unit
+  int64_t num_units[kMaxTensors];  // units: units of the tensor
+  int32_t start[kMaxTensors + 1];  // first work item (chunk or unit task) of each tensor
+  int32_t out_base[kMaxTensors];   // first partial sum / unit of each tensor in the call's arrays
+  uint64_t aligned;                // bit t: every pointer of tensor t is 16-byte aligned
+  uint64_t trailing;               // bit t: tensor t's units are strided (kGaUnitsTrailing)
+  int32_t num_tensors;
+};
+
+/// Tensor that work item `item` belongs to (a linear scan over at most kMaxTensors entries).
+template <int L>
+GA_HD int tensor_of(const Meta<L>& m, int64_t item) {
+  int t = 0;
+  while (t + 1 < m.num_tensors && m.start[t + 1] <= item) ++t;
+  return t;
+}
+
+/// Per-thread state of the chunked kernels: did this thread see a non-finite value.
+struct ThreadState {
+  int bad = 0;
+};
+
+/// The work of thread `tid` of `nthreads` on chunk `c`: the op's run<kVec> on every full,
+/// aligned vector of the chunk, run<1> on the rest. Returns the sum of what the op returned
+/// (reductions), in an order fixed by (c, tid) alone.
+template <int L, typename Op>
+GA_HD double chunk_thread(const Meta<L>& m, const Op& op, int64_t c, int tid, int nthreads,
+                          ThreadState& st) {
+  const int t = tensor_of(m, c);
+  const int64_t begin = (c - m.start[t]) * kChunk;
+  const int64_t end = begin + kChunk < m.numel[t] ? begin + kChunk : m.numel[t];
+  const int64_t vec_end = ((m.aligned >> t) & 1u) ? begin + (end - begin) / kVec * kVec : begin;
+  double acc = 0.0;
+  for (int64_t i = begin + static_cast<int64_t>(tid) * kVec; i < vec_end;
+       i += static_cast<int64_t>(nthreads) * kVec)
+    acc += op.template run<kVec>(m, t, i, st);
+  for (int64_t i = vec_end + tid; i < end; i += nthreads) acc += op.template run<1>(m, t, i, st);
+  return acc;
+}
+
+/// Σ of 32 lane values in the order of a __shfl_down_sync tree (lane 0's result), for the host.
+inline double host_warp_tree(double* v) {
+  for (int off = kWarp / 2; off > 0; off /= 2)
+    for (int lane = 0; lane < off; ++lane) v[lane] += v[lane + off];
+  return v[0];
+}
+
+/// Σ of kThreads thread values in the order of the device block reduction, for the host.
+inline double host_block_tree(double* v) {
+  double w[kWarp] = {};
+  for (int k = 0; k < kThreads / kWarp; ++k) w[k] = host_warp_tree(v + k * kWarp);
+  return host_warp_tree(w);
+}
+
+// ---- unit-wise sums of squares (AGC): one warp per task ----
+//
+// A task is one unit of a tensor with contiguous units (leading layout or one unit), the lanes
+// striding over its elements; or 32 consecutive units of a tensor with strided (trailing) units,
+// one lane per unit walking its elements in order.
+
+/// Lane `lane`'s partial sums for task `task`: Σ x² of list 0 into s0 and of list 1 into s1
+/// (when L == 2). For strided units the lane's values are the complete sums of its own unit.
+template <int L, typename T0, typename T1>
+GA_HD void unit_task_lane(const Meta<L>& m, int64_t task, int lane, double& s0, double& s1,
+                          int& unit_out) {
+  const int t = tensor_of(m, task);
+  const int64_t local = task - m.start[t];
+  const int64_t fan = m.fan_in[t];
+  const T0* x0 = static_cast<const T0*>(m.ptr[0][t]);
+  const T1* x1 = L > 1 ? static_cast<const T1*>(m.ptr[L > 1 ? 1 : 0][t]) : nullptr;
+  s0 = 0.0;
+  s1 = 0.0;
+  if (!((m.trailing >> t) & 1u)) {
+    const int64_t base = local * fan;
+    unit_out = m.out_base[t] + static_cast<int>(local);
+    const bool vec = ((m.aligned >> t) & 1u) && fan % kVec == 0;
+    const int64_t vec_end = vec ? fan : 0;
+    float a[kVec], b[kVec];
+    for (int64_t j = static_cast<int64_t>(lane) * kVec; j < vec_end; j += kWarp * kVec) {
+      load<kVec>(x0 + base + j, a);
+      if (L > 1) load<kVec>(x1 + base + j, b);
+      for (int k = 0; k < kVec; ++k) {
+        s0 += static_cast<double>(a[k]) * a[k];
+        if (L > 1) s1 += static_cast<double>(b[k]) * b[k];
+      }
+    }
+    for (int64_t j = vec_end + lane; j < fan; j += kWarp) {
+      const double u = to_f(x0[base + j]);
+      s0 += u * u;
+      if (L > 1) {
+        const double v = to_f(x1[base + j]);
+        s1 += v * v;
+      }
+    }
+  } else {
+    const int64_t nu = m.num_units[t];
+    const int64_t u = local * kWarp + lane;
+    unit_out = u < nu ? m.out_base[t] + static_cast<int>(u) : -1;
+    if (u >= nu) return;
+    for (int64_t j = 0; j < fan; ++j) {
+      const double a = to_f(x0[j * nu + u]);
+      s0 += a * a;
+      if (L > 1) {
+        const double b = to_f(x1[j * nu + u]);
+        s1 += b * b;
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace ga
+
+#endif  // GRADIENT_ACCUMULATOR_CUDA_DEVICE_COMMON_CUH_

@@ -1,0 +1,820 @@
+// The CUDA op families: the functors each kernel applies, and the host pipelines that validate,
+// group tensors into launches and enqueue them. The pipelines are templates over a Backend —
+// CudaBackend (cuda_api.cu) launches real kernels on a stream; the test suite's HostBackend runs
+// the same functors on the host — so everything here but the launch itself is tested without a
+// GPU.
+//
+// A Backend provides:
+//   int max_blocks()                                   grid cap of the chunked kernels
+//   char* workspace(size_t bytes)                      scratch device memory for this call
+//   void zero_bytes(void* p, size_t bytes)             asynchronous memset
+//   chunks<Reduce>(meta, op, num_chunks, partials, flag)
+//                                                      op.run over every chunk; with Reduce, one
+//                                                      fp64 partial per chunk at
+//                                                      partials[out_base[t] + chunk of t]; a thread
+//                                                      that saw a non-finite value sets *flag = 1
+//   unit_sums<T0, T1>(meta, num_tasks, out0, out1)     per-unit Σx² (device_common.cuh)
+//   for_each(n, f)                                     f(i) for i in [0, n)
+//   sum_partials(partials, n, post)                    post(Σ partials), summed in a fixed order
+#ifndef GRADIENT_ACCUMULATOR_CUDA_OPS_H_
+#define GRADIENT_ACCUMULATOR_CUDA_OPS_H_
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../core/internal.h"
+#include "device_common.cuh"
+#include "gradient_accumulator/cuda.h"
+
+namespace ga {
+namespace cuda {
+
+// ======================= functors (run on the device, or on the host in tests) ==============
+
+template <typename G>
+struct AccumulateOp {  // lists: 0 accumulator (fp32), 1 gradient (G)
+  float alpha, beta;
+  int overwrite, want_sumsq;
+  template <int N, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState& st) const {
+    float* acc = static_cast<float*>(m.ptr[0][t]) + i;
+    const G* g = static_cast<const G*>(m.ptr[1][t]) + i;
+    float x[N], a[N];
+    load<N>(g, x);
+    if (!overwrite) load<N>(acc, a);
+    double s = 0.0;
+    for (int k = 0; k < N; ++k) {
+      st.bad |= !is_finite(x[k]);
+      if (overwrite)
+        a[k] = beta * x[k];
+      else
+        a[k] = alpha == 1.0f ? fma_f(beta, x[k], a[k]) : fma_f(beta, x[k], alpha * a[k]);
+      if (want_sumsq) s += static_cast<double>(a[k]) * a[k];
+    }
+    store<N>(acc, a);
+    return s;
+  }
+};
+
+template <typename T>
+struct SumsqOp {  // list 0: the tensor
+  template <int N, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
+    float x[N];
+    load<N>(static_cast<const T*>(m.ptr[0][t]) + i, x);
+    double s = 0.0;
+    for (int k = 0; k < N; ++k) s += static_cast<double>(x[k]) * x[k];
+    return s;
+  }
+};
+
+template <typename S, typename D>
+struct CopyScaledOp {  // lists: 0 source (S), 1 destination (D)
+  float scale;
+  template <int N, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
+    float x[N];
+    load<N>(static_cast<const S*>(m.ptr[0][t]) + i, x);
+    for (int k = 0; k < N; ++k) x[k] *= scale;
+    store<N>(static_cast<D*>(m.ptr[1][t]) + i, x);
+    return 0.0;
+  }
+};
+
+template <typename T>
+struct ZeroOp {  // list 0: the tensor
+  template <int N, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
+    float z[N];
+    for (int k = 0; k < N; ++k) z[k] = 0.0f;
+    store<N>(static_cast<T*>(m.ptr[0][t]) + i, z);
+    return 0.0;
+  }
+};
+
+enum class Opt { kNone, kSGD, kAdam, kAdamW };
+
+/// Scalars of the fused apply, rounded to fp32 on the host exactly as the CPU kernels do.
+struct ApplyScalars {
+  double grad_scale;
+  float lr, wd, momentum, one_minus_dampening, beta1c, beta2, one_minus_beta2, adam_eps,
+      step_size, bc2_sqrt, adamw_decay;
+  int nesterov, maximize, first_momentum, has_wd;
+};
+
+/// The fused apply: scale (·clip coefficient, read from device memory) → optimizer update →
+/// reset; or, when a skip flag in device memory is set, only the reset.
+/// Lists: 0 params (P), 1 accumulators (fp32), 2 state1 (S), 3 state2 (S), 4 grads_out (OutT).
+template <Opt O, bool Momentum, bool Reset, bool Agc, typename P, typename S, typename OutT>
+struct ApplyOp {
+  ApplyScalars k;
+  const double* coef64;       // clip coefficient computed by the norm pass, or null
+  const float* coef32;        // clip coefficient given by the caller, or null
+  const float* skip0;         // caller's skip flag, or null
+  const float* skip1;         // the norm pass's skip flag, or null
+  const float* unit_scale;    // AGC: grad_scale · coefficient of every unit
+  int in_place;               // kNone without grads_out: write the gradient into the accumulator
+
+  template <int N, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
+    float* acc = static_cast<float*>(m.ptr[1][t]) + i;
+    const bool skip = (skip0 != nullptr && *skip0 != 0.0f) || (skip1 != nullptr && *skip1 != 0.0f);
+    float zero[N];
+    for (int e = 0; e < N; ++e) zero[e] = 0.0f;
+    if (skip) {
+      if (Reset) store<N>(acc, zero);
+      return 0.0;
+    }
+    float g[N];
+    load<N>(acc, g);
+    if constexpr (Agc) {
+      const int64_t nu = m.num_units[t], fan = m.fan_in[t];
+      const float* us = unit_scale + m.out_base[t];
+      const bool trailing = (m.trailing >> t) & 1u;
+      int64_t u = nu == 1 ? 0 : (trailing ? i % nu : i / fan);
+      int64_t r = (nu == 1 || trailing) ? 0 : i % fan;
+      for (int e = 0; e < N; ++e) {
+        g[e] *= us[u];
+        if (nu == 1) continue;
+        if (trailing) {
+          if (++u == nu) u = 0;
+        } else if (++r == fan) {
+          r = 0;
+          ++u;
+        }
+      }
+    } else {
+      const float sc = static_cast<float>(
+          coef64 != nullptr ? k.grad_scale * *coef64
+                            : (coef32 != nullptr ? k.grad_scale * static_cast<double>(*coef32)
+                                                 : k.grad_scale));
+      for (int e = 0; e < N; ++e) g[e] *= sc;
+    }
+    for (int e = 0; e < N; ++e) g[e] = k.maximize ? -g[e] : g[e];
+    if constexpr (O == Opt::kNone) {
+      if (in_place)
+        store<N>(reinterpret_cast<OutT*>(acc), g);
+      else
+        store<N>(static_cast<OutT*>(m.ptr[4][t]) + i, g);
+    } else if constexpr (O == Opt::kSGD) {
+      P* p = static_cast<P*>(m.ptr[0][t]) + i;
+      float w[N], b[N];
+      load<N>(p, w);
+      if (Momentum && !k.first_momentum) load<N>(static_cast<const S*>(m.ptr[2][t]) + i, b);
+      for (int e = 0; e < N; ++e) {
+        float gg = k.has_wd ? fma_f(k.wd, w[e], g[e]) : g[e];
+        if (Momentum) {
+          b[e] = k.first_momentum ? gg : fma_f(k.momentum, b[e], k.one_minus_dampening * gg);
+          gg = k.nesterov ? fma_f(k.momentum, b[e], gg) : b[e];
+        }
+        w[e] = fma_f(-k.lr, gg, w[e]);
+      }
+      if (Momentum) store<N>(static_cast<S*>(m.ptr[2][t]) + i, b);
+      store<N>(p, w);
+    } else {
+      P* p = static_cast<P*>(m.ptr[0][t]) + i;
+      S* s1 = static_cast<S*>(m.ptr[2][t]) + i;
+      S* s2 = static_cast<S*>(m.ptr[3][t]) + i;
+      float w[N], mm[N], v[N];
+      load<N>(p, w);
+      load<N>(s1, mm);
+      load<N>(s2, v);
+      for (int e = 0; e < N; ++e) {
+        float gg = g[e];
+        if constexpr (O == Opt::kAdam) {
+          gg = k.has_wd ? fma_f(k.wd, w[e], gg) : gg;
+        } else {
+          w[e] = w[e] * k.adamw_decay;
+        }
+        mm[e] = fma_f(k.beta1c, gg - mm[e], mm[e]);
+        v[e] = fma_f(k.beta2, v[e], k.one_minus_beta2 * gg * gg);
+        const float denom = div_f(sqrt_f(v[e]), k.bc2_sqrt) + k.adam_eps;
+        w[e] = w[e] - k.step_size * div_f(mm[e], denom);
+      }
+      store<N>(s1, mm);
+      store<N>(s2, v);
+      store<N>(p, w);
+    }
+    if (Reset) store<N>(acc, zero);
+    return 0.0;
+  }
+};
+
+/// Per-unit AGC factor: unit_scale[u] = grad_scale · min(1, λ·max(‖w_u‖, ε) / max(‖g_u‖, 1e-6)).
+struct AgcScaleOp {
+  const double* sum_w;  // Σ w² per unit
+  const double* sum_g;  // Σ acc² per unit
+  float* unit_scale;
+  double scale, clip_factor, eps;
+  GA_HD void operator()(int64_t u) const {
+    const double pn = std::max(std::sqrt(sum_w[u]), eps);
+    const double gn = std::sqrt(sum_g[u]) * std::fabs(scale);
+    const double max_norm = pn * clip_factor;
+    const double c = gn > max_norm ? max_norm / std::max(gn, 1e-6) : 1.0;
+    unit_scale[u] = static_cast<float>(scale * c);
+  }
+};
+
+/// norms[u] = sqrt(Σ x² of unit u), as fp32 or fp64.
+struct SqrtToOp {
+  const double* sums;
+  void* out;
+  int out_is_double;
+  GA_HD void operator()(int64_t u) const {
+    const double v = std::sqrt(sums[u]);
+    if (out_is_double)
+      static_cast<double*>(out)[u] = v;
+    else
+      static_cast<float*>(out)[u] = static_cast<float>(v);
+  }
+};
+
+/// Writes a finished sum to device memory.
+struct StoreSumPost {
+  double* out;
+  GA_HD void operator()(double total) const { *out = total; }
+};
+
+/// Turns the accumulators' Σ acc² into the apply's norm, clip coefficient and skip decision.
+struct NormPost {
+  double scale, max_norm;
+  int clip_global, coef_given, skip_nonfinite;
+  const float* given_coef;  // the caller's coefficient (clip_global with coef_given)
+  const float* skip_flag;   // the caller's skip flag, or null
+  double* coef64;           // out: coefficient for the apply
+  float* skip;              // out: 1 if the update is skipped
+  ga_cuda_apply_stats* stats;  // out: may be null
+  GA_HD void operator()(double total) const {
+    const double norm = std::sqrt(total) * std::fabs(scale);
+    bool skipped = skip_nonfinite && !std::isfinite(norm);
+    double coef = 1.0;
+    if (clip_global) coef = coef_given ? static_cast<double>(*given_coef)
+                                       : std::min(1.0, max_norm / (norm + 1e-6));
+    *coef64 = coef;
+    *skip = skipped ? 1.0f : 0.0f;
+    if (stats != nullptr) {
+      stats->grad_norm = static_cast<float>(norm);
+      stats->clip_coef = static_cast<float>(coef);
+      stats->skipped = (skipped || (skip_flag != nullptr && *skip_flag != 0.0f)) ? 1.0f : 0.0f;
+    }
+  }
+};
+
+/// Stats of an apply without a norm pass.
+struct StatsOp {
+  const float* given_coef;
+  const float* skip_flag;
+  ga_cuda_apply_stats* stats;
+  GA_HD void operator()(int64_t) const {
+    stats->grad_norm = -1.0f;
+    stats->clip_coef = given_coef != nullptr ? *given_coef : 1.0f;
+    stats->skipped = (skip_flag != nullptr && *skip_flag != 0.0f) ? 1.0f : 0.0f;
+  }
+};
+
+GA_HD double stat_get(const void* p, int is_double, int64_t c) {
+  return is_double ? static_cast<const double*>(p)[c] : static_cast<const float*>(p)[c];
+}
+GA_HD void stat_put(void* p, int is_double, int64_t c, double v) {
+  if (is_double)
+    static_cast<double*>(p)[c] = v;
+  else
+    static_cast<float*>(p)[c] = static_cast<float>(v);
+}
+
+/// Chan's merge of (n_b, mean_b, M2_b) into (n_a, mean_a, M2_a), per channel.
+struct BnMergeOp {
+  void* mean_a;
+  void* m2_a;
+  const void* mean_b;
+  const void* m2_b;
+  int d_mean_a, d_m2_a, d_mean_b, d_m2_b;  // 1: float64
+  double na, nb;
+  GA_HD void operator()(int64_t c) const {
+    const double nt = na + nb;
+    const double ma = stat_get(mean_a, d_mean_a, c), mb = stat_get(mean_b, d_mean_b, c);
+    const double delta = mb - ma;
+    stat_put(mean_a, d_mean_a, c, ma + delta * (nb / nt));
+    stat_put(m2_a, d_m2_a, c,
+             stat_get(m2_a, d_m2_a, c) + stat_get(m2_b, d_m2_b, c) + delta * delta * (na * nb / nt));
+  }
+};
+
+/// running ← (1 − w)·running + w·batch, per channel.
+struct BnRunningOp {
+  void* rmean;
+  void* rvar;
+  const void* mean;
+  const void* m2;
+  int d_rmean, d_rvar, d_mean, d_m2;
+  double div, new_weight;
+  GA_HD void operator()(int64_t c) const {
+    const double var = stat_get(m2, d_m2, c) / div;
+    stat_put(rmean, d_rmean, c,
+             (1 - new_weight) * stat_get(rmean, d_rmean, c) + new_weight * stat_get(mean, d_mean, c));
+    stat_put(rvar, d_rvar, c, (1 - new_weight) * stat_get(rvar, d_rvar, c) + new_weight * var);
+  }
+};
+
+// ======================= host side: grouping, metadata, pipelines ===========================
+
+using detail::fail;
+using detail::item;
+
+inline int64_t chunks_of(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
+
+/// Tensor indices split into launches: same key (dtype combination), at most kMaxTensors each,
+/// empty tensors dropped; the order within a key is the list order.
+template <typename KeyFn>
+std::vector<std::vector<int64_t>> group(int64_t n, const ga_tensor_list& sizes, KeyFn key) {
+  std::map<decltype(key(0)), std::vector<std::vector<int64_t>>> by_key;
+  std::vector<decltype(key(0))> order;
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes.tensors[i].numel == 0) continue;
+    auto k = key(i);
+    auto& launches = by_key[k];
+    if (launches.empty()) order.push_back(k);
+    if (launches.empty() || launches.back().size() == static_cast<size_t>(kMaxTensors))
+      launches.emplace_back();
+    launches.back().push_back(i);
+  }
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& k : order)
+    for (auto& l : by_key[k]) out.push_back(std::move(l));
+  return out;
+}
+
+/// Metadata of one launch over tensors `idx` of the L lists (a null list leaves its pointers
+/// null). Work items are chunks; `out_base[t]` is `chunk_base[idx[t]]`.
+template <int L>
+Meta<L> chunk_meta(const std::vector<int64_t>& idx, const ga_tensor_list* const (&lists)[L],
+                   const std::vector<int64_t>& chunk_base, int64_t* num_chunks) {
+  Meta<L> m{};
+  m.num_tensors = static_cast<int32_t>(idx.size());
+  int64_t c = 0;
+  for (size_t t = 0; t < idx.size(); ++t) {
+    bool aligned = true;
+    for (int l = 0; l < L; ++l) {
+      if (lists[l] == nullptr || lists[l]->size == 0) continue;
+      void* p = lists[l]->tensors[idx[t]].data;
+      m.ptr[l][t] = p;
+      aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+    }
+    const ga_tensor& first = lists[0] && lists[0]->size ? lists[0]->tensors[idx[t]]
+                                                        : lists[L > 1 ? 1 : 0]->tensors[idx[t]];
+    m.numel[t] = first.numel;
+    if (aligned) m.aligned |= uint64_t(1) << t;
+    m.start[t] = static_cast<int32_t>(c);
+    m.out_base[t] = chunk_base.empty() ? 0 : static_cast<int32_t>(chunk_base[idx[t]]);
+    c += chunks_of(first.numel);
+  }
+  m.start[idx.size()] = static_cast<int32_t>(c);
+  *num_chunks = c;
+  return m;
+}
+
+/// First chunk of every tensor of the list in the call's chunk order (the order partial sums
+/// are added in), and the total.
+inline std::vector<int64_t> chunk_bases(const ga_tensor_list& l, int64_t* total) {
+  std::vector<int64_t> base(static_cast<size_t>(l.size));
+  int64_t c = 0;
+  for (int64_t i = 0; i < l.size; ++i) {
+    base[i] = c;
+    c += chunks_of(l.tensors[i].numel);
+  }
+  *total = c;
+  return base;
+}
+
+template <typename F>
+void visit_float(ga_dtype d, F&& f) {
+  switch (d) {
+    case kGaFloat32: f(float{}); break;
+    case kGaBFloat16: f(bf16{}); break;
+    case kGaFloat16: f(f16{}); break;
+    default: break;  // validated earlier
+  }
+}
+
+inline void check_cuda_dtypes(const ga_tensor_list& l, const char* name) {
+  detail::check_list_dtype_in(l, name, {kGaFloat32, kGaBFloat16, kGaFloat16});
+}
+
+/// Workspace bytes rounded up to 256 so that every carved array stays aligned.
+inline size_t round_up(size_t b) { return (b + 255) / 256 * 256; }
+
+/// Σ x² of `list` into device double `out` (chunk partials, then one fixed-order sum).
+template <typename B>
+void enqueue_sumsq(B& b, const ga_tensor_list& list, double* out) {
+  int64_t total = 0;
+  std::vector<int64_t> base = chunk_bases(list, &total);
+  if (total == 0) {
+    b.zero_bytes(out, sizeof(double));
+    return;
+  }
+  double* partials = reinterpret_cast<double*>(b.workspace(round_up(total * sizeof(double))));
+  const ga_tensor_list* lists[1] = {&list};
+  for (const auto& idx : group(list.size, list, [&](int64_t i) { return list.tensors[i].dtype; })) {
+    int64_t n = 0;
+    Meta<1> m = chunk_meta<1>(idx, lists, base, &n);
+    visit_float(list.tensors[idx[0]].dtype, [&](auto tv) {
+      b.template chunks<true>(m, SumsqOp<decltype(tv)>{}, n, partials, nullptr);
+    });
+  }
+  b.sum_partials(partials, total, StoreSumPost{out});
+}
+
+template <typename B>
+ga_status accumulate(B& b, ga_tensor_list accumulators, ga_tensor_list grads,
+                     const ga_accumulate_options* options, float* nonfinite_flag, double* sumsq) {
+  return detail::guarded([&] {
+    double alpha = 1.0, beta = 1.0;
+    detail::validate_accumulate(accumulators, grads, options, kGaCUDA, &alpha, &beta);
+    int64_t total = 0;
+    std::vector<int64_t> base = chunk_bases(accumulators, &total);
+    double* partials = nullptr;
+    if (sumsq != nullptr) {
+      if (total == 0) {
+        b.zero_bytes(sumsq, sizeof(double));
+        return;
+      }
+      partials = reinterpret_cast<double*>(b.workspace(round_up(total * sizeof(double))));
+    }
+    const ga_tensor_list* lists[2] = {&accumulators, &grads};
+    for (const auto& idx : group(accumulators.size, accumulators,
+                                 [&](int64_t i) { return grads.tensors[i].dtype; })) {
+      int64_t n = 0;
+      Meta<2> m = chunk_meta<2>(idx, lists, base, &n);
+      visit_float(grads.tensors[idx[0]].dtype, [&](auto gv) {
+        AccumulateOp<decltype(gv)> op{static_cast<float>(alpha), static_cast<float>(beta),
+                                      options->overwrite != 0, sumsq != nullptr};
+        if (sumsq != nullptr)
+          b.template chunks<true>(m, op, n, partials, nonfinite_flag);
+        else
+          b.template chunks<false>(m, op, n, nullptr, nonfinite_flag);
+      });
+    }
+    if (sumsq != nullptr) b.sum_partials(partials, total, StoreSumPost{sumsq});
+  });
+}
+
+template <typename B>
+ga_status sum_of_squares(B& b, ga_tensor_list tensors, double* sumsq) {
+  return detail::guarded([&] {
+    if (sumsq == nullptr) fail(kGaInvalidArgument, "sumsq", "sumsq is null");
+    detail::check_list(tensors, "tensors");
+    check_cuda_dtypes(tensors, "tensors");
+    int32_t device = -1;
+    detail::check_all_cuda({{&tensors, "tensors"}}, &device);
+    enqueue_sumsq(b, tensors, sumsq);
+  });
+}
+
+/// Per-unit Σ x² of list 0 (and list 1) into out0 (out1), units numbered across the lists'
+/// tensors in order from 0.
+template <typename B, int L>
+void enqueue_unit_sums(B& b, const ga_tensor_list* const (&lists)[L], const ga_units* units,
+                       const std::vector<int64_t>& unit_base, double* out0, double* out1) {
+  const ga_tensor_list& l0 = *lists[0];
+  auto key = [&](int64_t i) {
+    return std::make_pair(l0.tensors[i].dtype, L > 1 ? lists[L - 1]->tensors[i].dtype : kGaFloat32);
+  };
+  for (const auto& idx : group(l0.size, l0, key)) {
+    Meta<L> m{};
+    m.num_tensors = static_cast<int32_t>(idx.size());
+    int64_t tasks = 0;
+    for (size_t t = 0; t < idx.size(); ++t) {
+      const int64_t i = idx[t];
+      bool aligned = true;
+      for (int l = 0; l < L; ++l) {
+        m.ptr[l][t] = lists[l]->tensors[i].data;
+        aligned = aligned && reinterpret_cast<uintptr_t>(m.ptr[l][t]) % 16 == 0;
+      }
+      const int64_t nu = units[i].num_units;
+      const bool trailing = units[i].layout == kGaUnitsTrailing && nu > 1;
+      m.numel[t] = l0.tensors[i].numel;
+      m.num_units[t] = nu;
+      m.fan_in[t] = l0.tensors[i].numel / nu;
+      if (aligned) m.aligned |= uint64_t(1) << t;
+      if (trailing) m.trailing |= uint64_t(1) << t;
+      m.start[t] = static_cast<int32_t>(tasks);
+      m.out_base[t] = static_cast<int32_t>(unit_base[i]);
+      tasks += trailing ? (nu + kWarp - 1) / kWarp : nu;
+    }
+    m.start[idx.size()] = static_cast<int32_t>(tasks);
+    visit_float(l0.tensors[idx[0]].dtype, [&](auto t0) {
+      visit_float(lists[L - 1]->tensors[idx[0]].dtype, [&](auto t1) {
+        b.template unit_sums<decltype(t0), decltype(t1)>(m, tasks, out0, out1);
+      });
+    });
+  }
+}
+
+template <typename B>
+ga_status unitwise_norm(B& b, ga_tensor tensor, ga_units units, ga_tensor norms) {
+  return detail::guarded([&] {
+    detail::validate_unitwise_norm(tensor, units, norms, kGaCUDA);
+    const ga_tensor_list one{&tensor, 1};
+    detail::check_list_dtype_in(one, "tensor", {kGaFloat32, kGaBFloat16, kGaFloat16});
+    if (units.num_units == 0) return;
+    double* sums = reinterpret_cast<double*>(
+        b.workspace(round_up(static_cast<size_t>(units.num_units) * sizeof(double))));
+    if (tensor.numel == 0) {
+      b.zero_bytes(sums, units.num_units * sizeof(double));
+    } else {
+      const ga_tensor_list* lists[1] = {&one};
+      enqueue_unit_sums<B, 1>(b, lists, &units, {0}, sums, nullptr);
+    }
+    b.for_each(units.num_units, SqrtToOp{sums, norms.data, norms.dtype == kGaFloat64});
+  });
+}
+
+inline ApplyScalars apply_scalars(const ga_apply_options& o) {
+  ApplyScalars k{};
+  k.grad_scale = o.grad_scale;
+  k.lr = static_cast<float>(o.lr);
+  k.wd = static_cast<float>(o.weight_decay);
+  k.has_wd = o.weight_decay != 0.0;
+  k.maximize = o.maximize != 0;
+  k.momentum = static_cast<float>(o.momentum);
+  k.one_minus_dampening = static_cast<float>(1.0 - o.dampening);
+  k.nesterov = o.nesterov != 0;
+  k.first_momentum = o.momentum_initialized == 0;
+  if (o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW) {
+    const double step = static_cast<double>(o.step);
+    const double bc1 = 1.0 - std::pow(o.beta1, step);
+    const double bc2 = 1.0 - std::pow(o.beta2, step);
+    k.beta1c = static_cast<float>(1.0 - o.beta1);
+    k.beta2 = static_cast<float>(o.beta2);
+    k.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+    k.adam_eps = static_cast<float>(o.adam_eps);
+    k.step_size = static_cast<float>(o.lr / bc1);
+    k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    k.adamw_decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  }
+  return k;
+}
+
+/// Launch the apply for one group: pick the template variant from the runtime flags.
+template <Opt O, typename B, typename P, typename S, typename OutT, typename Base>
+void launch_apply(B& b, const Meta<5>& m, int64_t n, const Base& base, bool momentum, bool reset,
+                  bool agc) {
+  auto go = [&](auto mom, auto rst, auto ag) {
+    ApplyOp<O, decltype(mom)::value, decltype(rst)::value, decltype(ag)::value, P, S, OutT> op{
+        base.k, base.coef64, base.coef32, base.skip0, base.skip1, base.unit_scale,
+        base.in_place};
+    b.template chunks<false>(m, op, n, nullptr, nullptr);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  auto with_agc = [&](auto mom, auto rst) {
+    if (agc) go(mom, rst, T{}); else go(mom, rst, F{});
+  };
+  auto with_reset = [&](auto mom) {
+    if (reset) with_agc(mom, T{}); else with_agc(mom, F{});
+  };
+  if (O == Opt::kSGD && momentum) with_reset(T{}); else with_reset(F{});
+}
+
+struct ApplyBase {
+  ApplyScalars k;
+  const double* coef64;
+  const float* coef32;
+  const float* skip0;
+  const float* skip1;
+  const float* unit_scale;
+  int in_place;
+};
+
+template <typename B>
+ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
+                const float* skip_flag, ga_cuda_apply_stats* stats, const char* acc_name,
+                const char* param_name) {
+  return detail::guarded([&] {
+    if (tp == nullptr) fail(kGaInvalidArgument, "tensors", "tensors is null");
+    if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
+    const ga_apply_tensors& t = *tp;
+    const ga_apply_options& o = *op;
+    detail::validate_apply(t, o, acc_name, param_name, kGaCUDA);
+    const bool update = o.optimizer != kGaOptimizerNone;
+    const bool agc = o.clip == kGaClipAgc;
+    const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
+    const int64_t n = t.accumulators.size;
+
+    // ---- workspace: [coef64 | skip | pad][partials][unit sums w | unit sums g][unit scales] ----
+    const bool norm_pass = (o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite;
+    int64_t total_chunks = 0;
+    std::vector<int64_t> cbase = chunk_bases(t.accumulators, &total_chunks);
+    std::vector<int64_t> ubase(static_cast<size_t>(n));
+    int64_t total_units = 0;
+    if (agc)
+      for (int64_t i = 0; i < n; ++i) {
+        ubase[i] = total_units;
+        total_units += o.units[i].num_units;
+      }
+    const size_t head = 256;
+    const size_t part_bytes = norm_pass ? round_up(std::max<int64_t>(total_chunks, 1) * 8) : 0;
+    const size_t unit_bytes = agc ? round_up(std::max<int64_t>(total_units, 1) * 8) : 0;
+    const size_t scale_bytes = agc ? round_up(std::max<int64_t>(total_units, 1) * 4) : 0;
+    char* ws = b.workspace(head + part_bytes + 2 * unit_bytes + scale_bytes);
+    double* coef64 = reinterpret_cast<double*>(ws);
+    float* skip = reinterpret_cast<float*>(ws + 8);
+    double* partials = reinterpret_cast<double*>(ws + head);
+    double* sum_w = reinterpret_cast<double*>(ws + head + part_bytes);
+    double* sum_g = reinterpret_cast<double*>(ws + head + part_bytes + unit_bytes);
+    float* unit_scale = reinterpret_cast<float*>(ws + head + part_bytes + 2 * unit_bytes);
+
+    if (norm_pass) {
+      const ga_tensor_list* lists[1] = {&t.accumulators};
+      for (const auto& idx : group(n, t.accumulators, [](int64_t) { return 0; })) {
+        int64_t nc = 0;
+        Meta<1> m = chunk_meta<1>(idx, lists, cbase, &nc);
+        b.template chunks<true>(m, SumsqOp<float>{}, nc, partials, nullptr);
+      }
+      if (total_chunks == 0) b.zero_bytes(partials, 8);
+      NormPost post{o.grad_scale, o.max_norm, o.clip == kGaClipGlobalNorm, o.clip_coef != nullptr,
+                    o.skip_nonfinite, o.clip_coef, skip_flag, coef64, skip, stats};
+      b.sum_partials(partials, std::max<int64_t>(total_chunks, 1), post);
+    } else if (stats != nullptr) {
+      b.for_each(1, StatsOp{o.clip_coef, skip_flag, stats});
+    }
+    if (agc && total_units > 0) {
+      const ga_tensor_list* lists[2] = {&t.params, &t.accumulators};
+      b.zero_bytes(sum_w, 2 * unit_bytes);  // units of empty tensors stay 0
+      enqueue_unit_sums<B, 2>(b, lists, o.units, ubase, sum_w, sum_g);
+      b.for_each(total_units, AgcScaleOp{sum_w, sum_g, unit_scale, o.grad_scale, o.clip_factor,
+                                         o.agc_eps});
+    }
+
+    ApplyBase base{apply_scalars(o),
+                   norm_pass && o.clip == kGaClipGlobalNorm ? coef64 : nullptr,
+                   !norm_pass && o.clip == kGaClipGlobalNorm ? o.clip_coef : nullptr,
+                   skip_flag,
+                   norm_pass ? skip : nullptr,
+                   agc ? unit_scale : nullptr,
+                   !update && t.grads_out.size == 0};
+    const ga_tensor_list empty{nullptr, 0};
+    const bool has_state = momentum || o.optimizer == kGaOptimizerAdam ||
+                           o.optimizer == kGaOptimizerAdamW;
+    const ga_tensor_list* lists[5] = {update || agc ? &t.params : &empty, &t.accumulators,
+                                      has_state ? &t.state1 : &empty,
+                                      (o.optimizer == kGaOptimizerAdam ||
+                                       o.optimizer == kGaOptimizerAdamW) ? &t.state2 : &empty,
+                                      !update ? &t.grads_out : &empty};
+    auto key = [&](int64_t i) {
+      const ga_dtype pd = update ? t.params.tensors[i].dtype : kGaFloat32;
+      const ga_dtype sd = has_state ? t.state1.tensors[i].dtype : pd;
+      const ga_dtype od = (!update && t.grads_out.size) ? t.grads_out.tensors[i].dtype : kGaFloat32;
+      return std::make_tuple(pd, sd, od);
+    };
+    for (const auto& idx : group(n, t.accumulators, key)) {
+      int64_t nc = 0;
+      // Lists absent from this call are skipped by chunk_meta; list 1 is always present.
+      const ga_tensor_list* l5[5] = {lists[0]->size ? lists[0] : nullptr, lists[1],
+                                     lists[2]->size ? lists[2] : nullptr,
+                                     lists[3]->size ? lists[3] : nullptr,
+                                     lists[4]->size ? lists[4] : nullptr};
+      Meta<5> m = chunk_meta<5>(idx, l5, {}, &nc);
+      if (agc) {
+        for (size_t j = 0; j < idx.size(); ++j) {
+          const ga_units& u = o.units[idx[j]];
+          m.num_units[j] = u.num_units;
+          m.fan_in[j] = t.accumulators.tensors[idx[j]].numel / u.num_units;
+          m.out_base[j] = static_cast<int32_t>(ubase[idx[j]]);
+          if (u.layout == kGaUnitsTrailing && u.num_units > 1) m.trailing |= uint64_t(1) << j;
+        }
+      }
+      const auto dtypes = key(idx[0]);
+      const ga_dtype pd = std::get<0>(dtypes), sd = std::get<1>(dtypes), od = std::get<2>(dtypes);
+      visit_float(pd, [&](auto pv) {
+        using P = decltype(pv);
+        visit_float(sd, [&](auto sv) {
+          using S = decltype(sv);
+          switch (o.optimizer) {
+            case kGaOptimizerNone:
+              visit_float(od, [&](auto ov) {
+                launch_apply<Opt::kNone, B, float, float, decltype(ov)>(b, m, nc, base, false,
+                                                                        o.reset, agc);
+              });
+              break;
+            case kGaOptimizerSGD:
+              launch_apply<Opt::kSGD, B, P, S, float>(b, m, nc, base, momentum, o.reset, agc);
+              break;
+            case kGaOptimizerAdam:
+              launch_apply<Opt::kAdam, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
+              break;
+            case kGaOptimizerAdamW:
+              launch_apply<Opt::kAdamW, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
+              break;
+          }
+        });
+      });
+    }
+  });
+}
+
+template <typename B>
+ga_status adaptive_clip(B& b, ga_tensor_list params, ga_tensor_list grads, const ga_units* units,
+                        double clip_factor, double eps) {
+  ga_apply_tensors t{};
+  t.params = params;
+  t.accumulators = grads;
+  ga_apply_options o{};
+  o.grad_scale = 1.0;
+  o.clip = kGaClipAgc;
+  o.clip_factor = clip_factor;
+  o.agc_eps = eps;
+  o.units = units;
+  o.optimizer = kGaOptimizerNone;
+  return apply(b, &t, &o, nullptr, nullptr, "grads", "params");
+}
+
+/// pack (to_flat) or unpack: flat[o_i : o_i + n_i] ↔ scale · list_i.
+template <typename B>
+ga_status copy_flat(B& b, ga_tensor_list list, ga_tensor flat, double scale, bool to_flat) {
+  return detail::guarded([&] {
+    detail::validate_flat(list, to_flat ? "src" : "dst", flat, scale, kGaCUDA);
+    check_cuda_dtypes(list, to_flat ? "src" : "dst");
+    const ga_tensor_list one{&flat, 1};
+    check_cuda_dtypes(one, "flat");
+    // Views of the flat tensor, one per list entry (device pointers are plain addresses).
+    std::vector<ga_tensor> views(static_cast<size_t>(list.size));
+    int64_t off = 0;
+    for (int64_t i = 0; i < list.size; ++i) {
+      views[i] = flat;
+      views[i].numel = list.tensors[i].numel;
+      views[i].data = static_cast<char*>(flat.data) + off * ga_dtype_size(flat.dtype);
+      off += list.tensors[i].numel;
+    }
+    const ga_tensor_list vl{views.data(), list.size};
+    const ga_tensor_list* lists[2] = {to_flat ? &list : &vl, to_flat ? &vl : &list};
+    for (const auto& idx : group(list.size, list, [&](int64_t i) { return list.tensors[i].dtype; })) {
+      int64_t nc = 0;
+      Meta<2> m = chunk_meta<2>(idx, lists, {}, &nc);
+      visit_float(lists[0]->tensors[idx[0]].dtype, [&](auto sv) {
+        visit_float(lists[1]->tensors[idx[0]].dtype, [&](auto dv) {
+          b.template chunks<false>(m, CopyScaledOp<decltype(sv), decltype(dv)>{static_cast<float>(scale)},
+                                   nc, nullptr, nullptr);
+        });
+      });
+    }
+  });
+}
+
+template <typename B>
+ga_status zero(B& b, ga_tensor_list tensors) {
+  return detail::guarded([&] {
+    detail::check_list(tensors, "tensors");
+    check_cuda_dtypes(tensors, "tensors");
+    int32_t device = -1;
+    detail::check_all_cuda({{&tensors, "tensors"}}, &device);
+    const ga_tensor_list* lists[1] = {&tensors};
+    for (const auto& idx : group(tensors.size, tensors,
+                                 [&](int64_t i) { return ga_dtype_size(tensors.tensors[i].dtype); })) {
+      int64_t nc = 0;
+      Meta<1> m = chunk_meta<1>(idx, lists, {}, &nc);
+      if (ga_dtype_size(tensors.tensors[idx[0]].dtype) == 4)
+        b.template chunks<false>(m, ZeroOp<float>{}, nc, nullptr, nullptr);
+      else
+        b.template chunks<false>(m, ZeroOp<bf16>{}, nc, nullptr, nullptr);
+    }
+  });
+}
+
+template <typename B>
+ga_status bn_merge(B& b, double* count_a, ga_tensor mean_a, ga_tensor m2_a, double count_b,
+                   ga_tensor mean_b, ga_tensor m2_b) {
+  return detail::guarded([&] {
+    detail::validate_bn_merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b, kGaCUDA);
+    if (count_b == 0) return;
+    auto d = [](const ga_tensor& x) { return x.dtype == kGaFloat64 ? 1 : 0; };
+    if (mean_a.numel > 0)
+      b.for_each(mean_a.numel, BnMergeOp{mean_a.data, m2_a.data, mean_b.data, m2_b.data,
+                                         d(mean_a), d(m2_a), d(mean_b), d(m2_b), *count_a, count_b});
+    *count_a += count_b;
+  });
+}
+
+template <typename B>
+ga_status bn_update_running(B& b, ga_tensor running_mean, ga_tensor running_var, ga_tensor mean,
+                            ga_tensor m2, double count, double new_weight, int unbiased) {
+  return detail::guarded([&] {
+    detail::validate_bn_update(running_mean, running_var, mean, m2, count, new_weight, unbiased,
+                               kGaCUDA);
+    auto d = [](const ga_tensor& x) { return x.dtype == kGaFloat64 ? 1 : 0; };
+    if (running_mean.numel > 0)
+      b.for_each(running_mean.numel,
+                 BnRunningOp{running_mean.data, running_var.data, mean.data, m2.data,
+                             d(running_mean), d(running_var), d(mean), d(m2),
+                             unbiased ? count - 1 : count, new_weight});
+  });
+}
+
+}  // namespace cuda
+}  // namespace ga
+
+#endif  // GRADIENT_ACCUMULATOR_CUDA_OPS_H_

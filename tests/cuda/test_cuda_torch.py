@@ -1,0 +1,155 @@
+"""The PyTorch adapter on CUDA: k micro-batches against one big batch in fp64, clipping, AGC,
+bf16 parameters, non-finite cycles, and no host synchronisation on non-boundary micro-steps.
+Skipped without a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8 * 16, 33)
+        self.fc2 = nn.Linear(33, 5)
+
+    def forward(self, x):
+        x = torch.tanh(self.conv(x.reshape(-1, 2, 4, 4))).flatten(1)
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _setup(dev, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    ref = copy.deepcopy(model).double().to(dev)
+    return model.to(dev, dtype), ref
+
+
+def _data(dev, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 32, generator=g).to(dev), torch.randn(n, 5, generator=g).to(dev)
+
+
+def _loss(model, x, y):
+    dt = next(model.parameters()).dtype
+    return (model(x.to(dt)) - y.to(dt)).square().mean()
+
+
+def _rel(a, b):
+    num = max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+    return num / max(float(y.double().abs().max()) for y in b)
+
+
+def _train(model, opt, ref, ref_opt, x, y, k, b, cycles, clip=None, agc=None):
+    for c in range(cycles):
+        for m in range(k):
+            sl = slice((c * k + m) * b, (c * k + m + 1) * b)
+            _loss(model, x[sl], y[sl]).backward()
+            opt.step()
+        assert opt.update_applied
+        big = slice(c * k * b, (c + 1) * k * b)
+        ref_opt.zero_grad()
+        _loss(ref, x[big], y[big]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        if agc is not None:
+            agc(ref)
+        ref_opt.step()
+
+
+@pytest.mark.parametrize(
+    "cls,kw",
+    [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+     (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
+     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))],
+)
+def test_k_micro_batches_equal_the_big_batch(dev, cls, kw):
+    model, ref = _setup(dev)
+    x, y = _data(dev, 4 * 8 * 6)
+    opt = GradientAccumulateOptimizer(cls(model.parameters(), **kw), 4)
+    assert opt.uses_fused_apply
+    _train(model, opt, ref, cls(ref.parameters(), **kw), x, y, 4, 8, 6)
+    assert _rel(list(model.parameters()), list(ref.parameters())) < 2e-5
+
+
+def test_global_norm_clipping_on_the_device(dev):
+    model, ref = _setup(dev)
+    x, y = _data(dev, 4 * 8 * 6)
+    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 4,
+                                      max_grad_norm=0.05)
+    _train(model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), x, y, 4, 8, 6,
+           clip=0.05)
+    assert _rel(list(model.parameters()), list(ref.parameters())) < 2e-5
+    assert float(opt.last_grad_norm) > 0.05  # the last cycle was clipped
+
+
+def test_agc_on_the_device(dev):
+    def agc(m, lam=0.02, eps=1e-3):
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.startswith("fc2"):
+                    continue  # the final layer is excluded by default
+                dims = tuple(range(1, p.dim()))
+                if p.dim() > 1:
+                    wn = torch.linalg.vector_norm(p, dim=dims, keepdim=True).clamp_min(eps)
+                    gn = torch.linalg.vector_norm(p.grad, dim=dims, keepdim=True).clamp_min(1e-6)
+                else:
+                    wn, gn = p.norm().clamp_min(eps), p.grad.norm().clamp_min(1e-6)
+                p.grad.mul_((lam * wn / gn).clamp(max=1.0))
+
+    model, ref = _setup(dev)
+    x, y = _data(dev, 4 * 8 * 4)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), 4,
+                                      use_agc=True, clip_factor=0.02, eps=1e-3)
+    _train(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.5), x, y, 4, 8, 4, agc=agc)
+    assert _rel(list(model.parameters()), list(ref.parameters())) < 2e-5
+
+
+def test_bf16_parameters_accumulate_in_fp32(dev):
+    model, ref = _setup(dev, torch.bfloat16)
+    x, y = _data(dev, 8 * 4 * 3)
+    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), 8)
+    _train(model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), x, y, 8, 4, 3)
+    # bf16 weights: within a few bf16 roundings of the fp64 big batch.
+    assert _rel(list(model.parameters()), list(ref.parameters())) < 3 * 2**-8
+
+
+def test_nonfinite_cycle_is_skipped_and_reset(dev):
+    model, _ = _setup(dev)
+    x, y = _data(dev, 32)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model, x[:16], y[:16]).backward()
+    opt.step()
+    _loss(model, x[16:], y[16:]).backward()
+    next(model.parameters()).grad[0, 0, 0, 0] = float("inf")
+    opt.step()
+    assert not opt.update_applied
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+    assert not bool(opt._flat.any())
+
+
+def test_micro_steps_do_not_synchronise(dev):
+    model, _ = _setup(dev)
+    x, y = _data(dev, 64)
+    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), 4,
+                                      max_grad_norm=1.0)
+    for _ in range(2):
+        for m in range(4):
+            sl = slice(m * 16, (m + 1) * 16)
+            _loss(model, x[sl], y[sl]).backward()
+            if m < 3:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert opt.update_applied
