@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -124,6 +125,18 @@ def _cuda_stream(t: Any) -> int | None:
     return None
 
 
+def _on_device(t: Any) -> Any:
+    """Make a CUDA tensor's device current for a core call (the core never switches devices)."""
+    device = getattr(t, "device", None)
+    if getattr(device, "type", None) != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    import torch
+
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 def _first(tensors: Any) -> Any:
     if isinstance(tensors, (list, tuple)) and tensors:
         return tensors[0]
@@ -191,10 +204,11 @@ def accumulate(
         if flag is None:
             flag = _device_scalar(accumulators[0], "float32", fill=0.0)
         sumsq_t = _device_scalar(accumulators[0], "float64") if compute_sumsq else None
-        load_core().accumulate(
-            accumulators, grads, weight, mode, weight_before, bool(overwrite),
-            bool(compute_sumsq), stream=stream, nonfinite_out=flag, sumsq_out=sumsq_t,
-        )
+        with _on_device(accumulators[0]):
+            load_core().accumulate(
+                accumulators, grads, weight, mode, weight_before, bool(overwrite),
+                bool(compute_sumsq), stream=stream, nonfinite_out=flag, sumsq_out=sumsq_t,
+            )
         return AccumulateResult(flag, sumsq_t)
     nonfinite, sumsq = load_core().accumulate(
         accumulators, grads, weight, mode, weight_before, bool(overwrite), bool(compute_sumsq),
@@ -211,7 +225,8 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Any:
     stream = _cuda_stream(_first(tensors))
     if stream is not None:
         out = _device_scalar(tensors[0], "float64")
-        load_core().sum_of_squares(tensors, stream=stream, out=out)
+        with _on_device(tensors[0]):
+            load_core().sum_of_squares(tensors, stream=stream, out=out)
         return out
     return float(load_core().sum_of_squares(tensors))
 
@@ -287,7 +302,8 @@ def unitwise_norm(tensor: Tensor, *, layout: str = "leading", out: Tensor | None
             out = torch.empty(num_units, dtype=torch.float32, device=tensor.device)
         else:
             out = np.empty(num_units, np.float32)
-    load_core().unitwise_norm(tensor, out, num_units, lay, stream=stream or 0)
+    with _on_device(tensor):
+        load_core().unitwise_norm(tensor, out, num_units, lay, stream=stream or 0)
     return out
 
 
@@ -344,10 +360,11 @@ def adaptive_clip(
     """
     units = _units(params, layout)
     stream = _cuda_stream(_first(grads))
-    load_core().adaptive_clip(
-        params, grads, units, _check_real(clip_factor, "clip_factor"), _check_real(eps, "eps"),
-        stream=stream or 0,
-    )
+    with _on_device(_first(grads)):
+        load_core().adaptive_clip(
+            params, grads, units, _check_real(clip_factor, "clip_factor"),
+            _check_real(eps, "eps"), stream=stream or 0,
+        )
 
 
 def apply(
@@ -442,36 +459,37 @@ def apply(
         units = _units(params, layout)
     stream = _cuda_stream(_first(accumulators))
     stats = _device_scalar(accumulators[0], "float32", 3) if stream is not None else None
-    r = load_core().apply(
-        params,
-        accumulators,
-        state1,
-        state2,
-        grads_out,
-        optimizer,
-        _check_real(grad_scale, "grad_scale"),
-        clip,
-        _check_real(max_norm, "max_norm") if max_norm is not None else 0.0,
-        clip_coef,
-        _check_real(clip_factor, "clip_factor"),
-        _check_real(agc_eps, "agc_eps"),
-        units,
-        bool(skip_nonfinite),
-        bool(reset),
-        _check_real(lr, "lr"),
-        _check_real(weight_decay, "weight_decay"),
-        bool(maximize),
-        _check_real(momentum, "momentum"),
-        _check_real(dampening, "dampening"),
-        bool(nesterov),
-        bool(momentum_initialized),
-        _check_real(betas[0], "betas[0]"),
-        _check_real(betas[1], "betas[1]"),
-        _check_real(eps, "eps"),
-        int(step),
-        stream=stream or 0,
-        stats_out=stats,
-    )
+    with _on_device(_first(accumulators)):
+        r = load_core().apply(
+            params,
+            accumulators,
+            state1,
+            state2,
+            grads_out,
+            optimizer,
+            _check_real(grad_scale, "grad_scale"),
+            clip,
+            _check_real(max_norm, "max_norm") if max_norm is not None else 0.0,
+            clip_coef,
+            _check_real(clip_factor, "clip_factor"),
+            _check_real(agc_eps, "agc_eps"),
+            units,
+            bool(skip_nonfinite),
+            bool(reset),
+            _check_real(lr, "lr"),
+            _check_real(weight_decay, "weight_decay"),
+            bool(maximize),
+            _check_real(momentum, "momentum"),
+            _check_real(dampening, "dampening"),
+            bool(nesterov),
+            bool(momentum_initialized),
+            _check_real(betas[0], "betas[0]"),
+            _check_real(betas[1], "betas[1]"),
+            _check_real(eps, "eps"),
+            int(step),
+            stream=stream or 0,
+            stats_out=stats,
+        )
     if stats is not None:
         return ApplyResult(stats[2], stats[0], stats[1])
     return ApplyResult(r["skipped"], r["grad_norm"], r["clip_coef"])
@@ -518,12 +536,13 @@ def bn_merge(
     Returns:
         The merged count.
     """
-    return float(
-        load_core().bn_merge(
-            _check_real(count_a, "count_a"), mean_a, m2_a, _check_real(count_b, "count_b"),
-            mean_b, m2_b, stream=_cuda_stream(mean_a) or 0,
+    with _on_device(mean_a):
+        return float(
+            load_core().bn_merge(
+                _check_real(count_a, "count_a"), mean_a, m2_a, _check_real(count_b, "count_b"),
+                mean_b, m2_b, stream=_cuda_stream(mean_a) or 0,
+            )
         )
-    )
 
 
 def bn_update_running(
@@ -541,26 +560,30 @@ def bn_update_running(
     ``momentum`` is PyTorch's (the weight of the new value); pass ``1 - momentum`` for Keras.
     The batch variance is M2/(count − 1) when ``unbiased`` (PyTorch) else M2/count (Keras).
     """
-    load_core().bn_update_running(
-        running_mean, running_var, mean, m2, _check_real(count, "count"),
-        _check_real(momentum, "momentum"), bool(unbiased),
-        stream=_cuda_stream(running_mean) or 0,
-    )
+    with _on_device(running_mean):
+        load_core().bn_update_running(
+            running_mean, running_var, mean, m2, _check_real(count, "count"),
+            _check_real(momentum, "momentum"), bool(unbiased),
+            stream=_cuda_stream(running_mean) or 0,
+        )
 
 
 def pack(src: Sequence[Tensor], flat: Tensor, *, scale: float = 1.0) -> None:
     """Copy ``src`` end to end into ``flat`` (times ``scale``), converting dtypes."""
-    load_core().pack(src, flat, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
+    with _on_device(flat):
+        load_core().pack(src, flat, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
 
 
 def unpack(flat: Tensor, dst: Sequence[Tensor], *, scale: float = 1.0) -> None:
     """Inverse of :func:`pack`: slices of ``flat`` (times ``scale``) into ``dst``."""
-    load_core().unpack(flat, dst, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
+    with _on_device(flat):
+        load_core().unpack(flat, dst, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
 
 
 def zero(tensors: Sequence[Tensor]) -> None:
     """Set every tensor to zero."""
-    load_core().zero(tensors, stream=_cuda_stream(_first(tensors)) or 0)
+    with _on_device(_first(tensors)):
+        load_core().zero(tensors, stream=_cuda_stream(_first(tensors)) or 0)
 
 
 class ArenaPlan(NamedTuple):

@@ -1,6 +1,6 @@
 // CUDA entry points: the __global__ kernels around the bodies of device_common.cuh / ops.h, the
 // backend that launches them on the caller's stream, and the extern "C" functions of cuda.h.
-// No host synchronisation happens here except when a stream's workspace must grow (first use).
+// Nothing here synchronises with the device.
 #include <cuda_runtime.h>
 
 #include <map>
@@ -128,48 +128,53 @@ int sm_count(int device) {
   return sms;
 }
 
-/// Scratch memory of one (device, stream): partial sums, unit sums, the apply's scalars. Calls
-/// on one stream run in order, so they can share it; it only grows (then the stream is drained
-/// before the old block is freed).
-char* stream_workspace(int device, cudaStream_t stream, size_t bytes) {
+/// The memory pool of the library's scratch memory on `device`: stream-ordered allocations
+/// (cudaMallocFromPoolAsync / cudaFreeAsync), so every call gets scratch of its own without a
+/// synchronisation, from any thread, and inside CUDA graph capture. Up to 64 MiB stays reserved
+/// between calls, so steady-state steps do not map memory.
+cudaMemPool_t scratch_pool(int device) {
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, std::pair<void*, size_t>> cache;
+  static std::map<int, cudaMemPool_t> pools;
   std::lock_guard<std::mutex> lock(mu);
-  auto& slot = cache[{device, stream}];
-  if (slot.second < bytes) {
-    if (slot.first != nullptr) {
-      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-      check(cudaFree(slot.first), "cudaFree");
-      slot = {nullptr, 0};
-    }
-    const size_t grown = std::max<size_t>(bytes, size_t(1) << 16);
-    void* p = nullptr;
-    check(cudaMalloc(&p, grown), "cudaMalloc (workspace)");
-    slot = {p, grown};
-  }
-  return static_cast<char*>(slot.first);
+  auto it = pools.find(device);
+  if (it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool;
+  check(cudaMemPoolCreate(&pool, &props), "cudaMemPoolCreate");
+  uint64_t keep = uint64_t(64) << 20;
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+        "cudaMemPoolSetAttribute");
+  pools[device] = pool;
+  return pool;
 }
 
-/// Launches on `stream`. The first launch (after validation, so bad input is reported as such
-/// even without a GPU) makes the tensors' device current; the destructor restores the caller's.
+/// Launches on `stream`, on the current device, which must be the tensors' (`device`): the
+/// library never switches devices (that would create a context on the caller's device; the
+/// Python layer makes the tensors' device current). The checks run at the first launch, after
+/// validation, so bad input is reported as such even without a GPU. Scratch memory is freed
+/// stream-ordered when the call ends.
 class CudaBackend {
  public:
   CudaBackend(cudaStream_t stream, int device) : stream_(stream), target_(device) {}
   ~CudaBackend() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (scratch_ != nullptr) cudaFreeAsync(scratch_, stream_);
   }
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   int max_blocks() {
     if (device_ < 0) {
+      cudaGetLastError();  // a stale error of an earlier call must not fail this one
       int current = 0;
       check(cudaGetDevice(&current), "cudaGetDevice");
-      if (target_ >= 0 && target_ != current) {
-        check(cudaSetDevice(target_), "cudaSetDevice");
-        previous_ = current;
-        current = target_;
-      }
+      if (target_ >= 0 && target_ != current)
+        detail::fail(kGaInvalidArgument, "device",
+                     "the tensors are on cuda:" + std::to_string(target_) +
+                         " but the current device is cuda:" + std::to_string(current) +
+                         "; make their device current first");
       device_ = current;
       sms_ = sm_count(device_);
     }
@@ -178,7 +183,14 @@ class CudaBackend {
 
   char* workspace(size_t bytes) {
     max_blocks();
-    return stream_workspace(device_, stream_, bytes);
+    if (scratch_ != nullptr)
+      detail::fail(kGaRuntimeError, "", "internal: one workspace per call");
+    void* p = nullptr;
+    check(cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 256), scratch_pool(device_),
+                                  stream_),
+          "cudaMallocFromPoolAsync");
+    scratch_ = p;
+    return static_cast<char*>(p);
   }
 
   void zero_bytes(void* p, size_t bytes) {
@@ -223,8 +235,8 @@ class CudaBackend {
   cudaStream_t stream_;
   int target_;
   int device_ = -1;
-  int previous_ = -1;
   int sms_ = 0;
+  void* scratch_ = nullptr;
 };
 
 int device_of(const ga_tensor* t) {

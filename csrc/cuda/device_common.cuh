@@ -143,19 +143,53 @@ GA_HD float div_f(float a, float b) {
 }
 
 // ---- N consecutive elements ↔ floats. N == kVec: 16-byte vector accesses (the pointer is
-// 16-byte aligned, checked on the host); N == 1: one scalar access. ----
+// 16-byte aligned, checked on the host); N == 1: one scalar access. On the device the 32-bit
+// words of a vector are built and taken apart explicitly (no type punning through uint4). ----
+
+GA_HD float lo_half(uint32_t w, bf16) { return to_f(bf16{static_cast<uint16_t>(w & 0xffffu)}); }
+GA_HD float hi_half(uint32_t w, bf16) { return to_f(bf16{static_cast<uint16_t>(w >> 16)}); }
+GA_HD float lo_half(uint32_t w, f16) { return to_f(f16{static_cast<uint16_t>(w & 0xffffu)}); }
+GA_HD float hi_half(uint32_t w, f16) { return to_f(f16{static_cast<uint16_t>(w >> 16)}); }
+template <typename T>
+GA_HD uint32_t pack_halves(float lo, float hi) {
+  return static_cast<uint32_t>(from_f<T>(lo).bits) | (static_cast<uint32_t>(from_f<T>(hi).bits) << 16);
+}
+
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ void words_to_floats(const uint4& w, float* v, float) {
+  v[0] = __uint_as_float(w.x);
+  v[1] = __uint_as_float(w.y);
+  v[2] = __uint_as_float(w.z);
+  v[3] = __uint_as_float(w.w);
+}
+template <typename T>
+__device__ __forceinline__ void words_to_floats(const uint4& w, float* v, T tag) {
+  const uint32_t x[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = lo_half(x[k], tag);
+    v[2 * k + 1] = hi_half(x[k], tag);
+  }
+}
+__device__ __forceinline__ uint4 floats_to_words(const float* v, float) {
+  return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                    __float_as_uint(v[3]));
+}
+template <typename T>
+__device__ __forceinline__ uint4 floats_to_words(const float* v, T) {
+  return make_uint4(pack_halves<T>(v[0], v[1]), pack_halves<T>(v[2], v[3]),
+                    pack_halves<T>(v[4], v[5]), pack_halves<T>(v[6], v[7]));
+}
+#endif
 
 template <int N, typename T>
 GA_HD void load(const T* p, float* v) {
 #if defined(__CUDA_ARCH__)
   if constexpr (N * sizeof(T) % 16 == 0) {
-    constexpr int kWords = N * static_cast<int>(sizeof(T)) / 16;
-    uint4 w[kWords];
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte word
 #pragma unroll
-    for (int k = 0; k < kWords; ++k) w[k] = reinterpret_cast<const uint4*>(p)[k];
-    const T* e = reinterpret_cast<const T*>(w);
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = to_f(e[k]);
+    for (int k = 0; k < N / kPer; ++k)
+      words_to_floats(reinterpret_cast<const uint4*>(p)[k], v + k * kPer, T{});
   } else {
     for (int k = 0; k < N; ++k) v[k] = to_f(p[k]);
   }
@@ -168,13 +202,10 @@ template <int N, typename T>
 GA_HD void store(T* p, const float* v) {
 #if defined(__CUDA_ARCH__)
   if constexpr (N * sizeof(T) % 16 == 0) {
-    constexpr int kWords = N * static_cast<int>(sizeof(T)) / 16;
-    uint4 w[kWords];
-    T* e = reinterpret_cast<T*>(w);
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
 #pragma unroll
-    for (int k = 0; k < N; ++k) e[k] = from_f<T>(v[k]);
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) reinterpret_cast<uint4*>(p)[k] = w[k];
+    for (int k = 0; k < N / kPer; ++k)
+      reinterpret_cast<uint4*>(p)[k] = floats_to_words(v + k * kPer, T{});
   } else {
     for (int k = 0; k < N; ++k) p[k] = from_f<T>(v[k]);
   }

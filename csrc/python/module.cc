@@ -51,17 +51,21 @@ bool is_cuda(const std::vector<TensorRef>& refs) {
   return !refs.empty() && refs[0].desc.device_type == kGaCUDA;
 }
 
+int32_t device_id(const std::vector<TensorRef>& refs) {
+  return refs.empty() ? 0 : refs[0].desc.device_id;
+}
+
 /// The data pointer of an optional one-element device output (e.g. a flag) checked for dtype,
 /// size and device; nullptr for None.
 template <typename T>
 T* scalar_out(const py::object& obj, const char* name, ga_dtype dtype, int64_t numel,
-              ga_device_type device, TensorRef& keep) {
+              ga_device_type device, int32_t device_id, TensorRef& keep) {
   if (obj.is_none()) return nullptr;
   keep = import_tensor(obj, name, true);
   if (keep.desc.dtype != dtype || keep.desc.numel != numel)
     throw py::type_error(std::string(name) + " must be a " + (dtype == kGaFloat64 ? "float64" : "float32") +
                          " tensor of " + std::to_string(numel) + " element(s)");
-  if (keep.desc.device_type != device)
+  if (keep.desc.device_type != device || (device == kGaCUDA && keep.desc.device_id != device_id))
     throw py::type_error(std::string(name) + " must be on the same device as the tensors");
   return static_cast<T*>(keep.desc.data);
 }
@@ -113,8 +117,10 @@ py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
   auto ad = descriptors(acc), gd = descriptors(g);
   const ga_device_type dev = is_cuda(acc) ? kGaCUDA : kGaCPU;
   TensorRef flag_ref, sumsq_ref;
-  float* flag = scalar_out<float>(nonfinite_out, "nonfinite_out", kGaFloat32, 1, dev, flag_ref);
-  double* sumsq = scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, sumsq_ref);
+  float* flag = scalar_out<float>(nonfinite_out, "nonfinite_out", kGaFloat32, 1, dev,
+                                  device_id(acc), flag_ref);
+  double* sumsq = scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, device_id(acc),
+                                     sumsq_ref);
   if (dev == kGaCUDA) {
     // Results stay on the device: the flag and the sum of squares go to the given tensors.
     call_core([&] {
@@ -135,7 +141,7 @@ py::object sum_of_squares(py::handle tensors, uintptr_t stream, const py::object
   auto d = descriptors(t);
   const ga_device_type dev = is_cuda(t) ? kGaCUDA : kGaCPU;
   TensorRef out_ref;
-  double* o = scalar_out<double>(out, "out", kGaFloat64, 1, dev, out_ref);
+  double* o = scalar_out<double>(out, "out", kGaFloat64, 1, dev, device_id(t), out_ref);
   if (dev == kGaCUDA) {
     if (o == nullptr) throw py::value_error("out is required for CUDA tensors");
     call_core([&] { return ga_cuda_sum_of_squares(as_list(d), o, as_stream(stream)); });
@@ -237,14 +243,14 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
     coef = import_tensor(clip_coef, "clip_coef", false);
     if (coef.desc.dtype != kGaFloat32 || coef.desc.numel != 1)
       throw py::type_error("clip_coef must be a float32 tensor of one element");
-    if (coef.desc.device_type != dev)
+    if (coef.desc.device_type != dev || (dev == kGaCUDA && coef.desc.device_id != device_id(a)))
       throw py::type_error(dev == kGaCUDA ? "clip_coef must be on the accumulators' CUDA device"
                                           : "clip_coef must be on the CPU for CPU tensors");
     o.clip_coef = static_cast<const float*>(coef.desc.data);
   }
   TensorRef stats_ref;
   auto* stats = scalar_out<ga_cuda_apply_stats>(stats_out, "stats_out", kGaFloat32, 3, dev,
-                                                stats_ref);
+                                                device_id(a), stats_ref);
   auto pd = descriptors(p), ad = descriptors(a), s1d = descriptors(s1), s2d = descriptors(s2),
        god = descriptors(go);
   if (!units.is_none() && pd.size() != ad.size())

@@ -557,6 +557,27 @@ TEST(CudaEmulated, BatchNormMergeAndRunningMatchCpu) {
   ExpectListsNear(rd, run, 1e-7);
 }
 
+// ---- the device's 16-byte words: element 0 of a pair is the low half (little-endian) ----
+
+TEST(CudaEmulated, VectorWordsPackElementsInMemoryOrder) {
+  auto rng = Rng(13);
+  std::uniform_real_distribution<float> dist(-100, 100);
+  for (int i = 0; i < 1000; ++i) {
+    const float a = dist(rng), b = dist(rng);
+    const gc::bf16 pair_b[2] = {gc::from_f<gc::bf16>(a), gc::from_f<gc::bf16>(b)};
+    const gc::f16 pair_h[2] = {gc::from_f<gc::f16>(a), gc::from_f<gc::f16>(b)};
+    uint32_t wb, wh;
+    std::memcpy(&wb, pair_b, 4);
+    std::memcpy(&wh, pair_h, 4);
+    ASSERT_EQ(gc::pack_halves<gc::bf16>(a, b), wb);
+    ASSERT_EQ(gc::pack_halves<gc::f16>(a, b), wh);
+    ASSERT_EQ(gc::lo_half(wb, gc::bf16{}), gc::to_f(pair_b[0]));
+    ASSERT_EQ(gc::hi_half(wb, gc::bf16{}), gc::to_f(pair_b[1]));
+    ASSERT_EQ(gc::lo_half(wh, gc::f16{}), gc::to_f(pair_h[0]));
+    ASSERT_EQ(gc::hi_half(wh, gc::f16{}), gc::to_f(pair_h[1]));
+  }
+}
+
 // ---- bad input: the CUDA pipelines share the CPU checks and write nothing on error ----
 
 TEST(CudaEmulated, RejectsCpuTensorsOtherDevicesAndDtypesWithoutWriting) {

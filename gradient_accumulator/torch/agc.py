@@ -17,7 +17,7 @@ def unitwise_norm(x: torch.Tensor) -> torch.Tensor:
     Rank ≤ 1 tensors (biases, gains) are one unit: their whole-tensor norm.
 
     Returns:
-        A float32 CPU tensor with one norm per unit.
+        A float32 tensor on ``x``'s device with one norm per unit.
 
     Example:
         >>> import torch
@@ -27,7 +27,7 @@ def unitwise_norm(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     num_units, _ = core.unit_layout(tuple(x.shape), "leading")
-    out = torch.empty(num_units, dtype=torch.float32)
+    out = torch.empty(num_units, dtype=torch.float32, device=x.device)
     core.unitwise_norm(x.detach().contiguous(), layout="leading", out=out)
     return out
 
