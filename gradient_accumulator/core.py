@@ -112,10 +112,13 @@ def cuda_device_count() -> int:
 def _cuda_stream(t: Any) -> int | None:
     """The current stream of a PyTorch CUDA tensor's device; None for tensors not on CUDA."""
     device = getattr(t, "device", None)
-    if getattr(device, "type", None) == "cuda":
+    kind = getattr(device, "type", None)
+    if kind == "cuda":
         import torch
 
         return int(torch.cuda.current_stream(device).cuda_stream)
+    if kind is not None:  # a torch tensor on another device
+        return None
     dl_device = getattr(t, "__dlpack_device__", None)
     if dl_device is not None and not isinstance(t, np.ndarray) and dl_device()[0] in (2, 13):
         raise TypeError(
