@@ -28,6 +28,17 @@ def dev():
     return torch.device("cuda")
 
 
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """fp32 convolutions and matmuls in full fp32 (cuDNN uses TF32 by default on Ampere and
+    later), so that fp32 training can be compared with an fp64 reference."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def rand(n, dtype, dev, seed, lo=-1.0, hi=1.0, offset=0):
     """n random values in [lo, hi) of `dtype` on `dev`, as a view starting `offset` elements into
     its storage (offset 1 leaves the data unaligned for 16-byte loads)."""

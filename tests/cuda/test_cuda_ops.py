@@ -21,7 +21,7 @@ ROUND = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 
 
 def _close(got, want, rel, floor=0.0):
-    got, want = got.double().cpu(), want.double().cpu()
+    got, want = torch.as_tensor(got).double().cpu(), torch.as_tensor(want).double().cpu()
     bound = rel * (want.abs() + floor)
     bad = (got - want).abs() > bound
     assert not bad.any(), (
@@ -103,11 +103,11 @@ def _apply_both(dev, optimizer, pdtype, sdtype, clip, **kw):
     a = [rand(n, torch.float32, dev, 20 + i, -3, 3, offset=i % 2) for i, n in enumerate(sizes)]
     s1 = [rand(n, sdtype, dev, 40 + i, -0.1, 0.1) for i, n in enumerate(sizes)]
     s2 = [rand(n, sdtype, dev, 60 + i, 0, 0.01) for i, n in enumerate(sizes)]
-    cpu = [[t.cpu() for t in ts] for ts in (p, a, s1, s2)]
+    cpu = [[t.cpu().clone() for t in ts] for ts in (p, a, s1, s2)]
     uses_s1 = optimizer != "none"
     uses_s2 = optimizer in ("adam", "adamw")
     out = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes]
-    out_cpu = [t.cpu() for t in out]
+    out_cpu = [t.cpu().clone() for t in out]
     common = dict(optimizer=optimizer, lr=0.1, grad_scale=0.25, weight_decay=0.01, momentum=0.9,
                   dampening=0.1, betas=(0.9, 0.999), eps=1e-8, step=3, reset=True, **kw)
     if clip == "global":
