@@ -657,14 +657,12 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
                    norm_pass ? skip : nullptr,
                    agc ? unit_scale : nullptr,
                    !update && t.grads_out.size == 0};
-    const ga_tensor_list empty{nullptr, 0};
-    const bool has_state = momentum || o.optimizer == kGaOptimizerAdam ||
-                           o.optimizer == kGaOptimizerAdamW;
-    const ga_tensor_list* lists[5] = {update || agc ? &t.params : &empty, &t.accumulators,
-                                      has_state ? &t.state1 : &empty,
-                                      (o.optimizer == kGaOptimizerAdam ||
-                                       o.optimizer == kGaOptimizerAdamW) ? &t.state2 : &empty,
-                                      !update ? &t.grads_out : &empty};
+    const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
+    const bool has_state = momentum || adam;
+    // Lists this call does not use are null (chunk_meta skips them); list 1 is always there.
+    const ga_tensor_list* lists[5] = {update || agc ? &t.params : nullptr, &t.accumulators,
+                                      has_state ? &t.state1 : nullptr, adam ? &t.state2 : nullptr,
+                                      !update ? &t.grads_out : nullptr};
     auto key = [&](int64_t i) {
       const ga_dtype pd = update ? t.params.tensors[i].dtype : kGaFloat32;
       const ga_dtype sd = has_state ? t.state1.tensors[i].dtype : pd;
@@ -673,12 +671,7 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     };
     for (const auto& idx : group(n, t.accumulators, key)) {
       int64_t nc = 0;
-      // Lists absent from this call are skipped by chunk_meta; list 1 is always present.
-      const ga_tensor_list* l5[5] = {lists[0]->size ? lists[0] : nullptr, lists[1],
-                                     lists[2]->size ? lists[2] : nullptr,
-                                     lists[3]->size ? lists[3] : nullptr,
-                                     lists[4]->size ? lists[4] : nullptr};
-      Meta<5> m = chunk_meta<5>(idx, l5, {}, &nc);
+      Meta<5> m = chunk_meta<5>(idx, lists, {}, &nc);
       if (agc) {
         for (size_t j = 0; j < idx.size(); ++j) {
           const ga_units& u = o.units[idx[j]];

@@ -98,6 +98,17 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         reduce_timeout: seconds to wait for the other ranks at the boundary before raising
             ``RuntimeError`` (None: the process group's own timeout).
 
+    Attributes:
+        update_applied: whether the last :meth:`step` (or :meth:`flush`) updated the weights.
+        last_grad_norm: with ``max_grad_norm``, the norm of the last cycle's averaged gradient
+            before clipping — a float for CPU parameters, a 0-dim device tensor for CUDA ones
+            (read it when you need it; the step itself never waits for the GPU). NaN after a
+            skipped cycle.
+
+    On CUDA the accumulate, norm, clip and update run in the core's CUDA kernels on the current
+    stream; micro-steps do not synchronise with the device, and each update reads one flag
+    (whether a gradient of the cycle was non-finite) back to the host, as ``GradScaler`` does.
+
     Example:
         >>> import torch
         >>> from gradient_accumulator.torch import GradientAccumulateOptimizer
