@@ -52,7 +52,10 @@ extern "C" ga_status ga_arena_alloc(int64_t numel, ga_device_type device_type, i
     if (data == nullptr) fail(kGaInvalidArgument, "data", "data is null");
     if (numel < 0) fail(kGaInvalidArgument, "numel", "numel must be >= 0");
     if (device_type == kGaCUDA) {
-      fail(kGaUnsupported, "device", "CUDA arenas are allocated by the CUDA build");
+      // On a GPU the framework owns the accumulators' memory (its caching allocator and
+      // streams): allocate them there, e.g. torch.zeros(..., device="cuda").
+      fail(kGaUnsupported, "device",
+           "the arena is host memory; allocate CUDA accumulators with the framework");
     }
     if (device_type != kGaCPU) fail(kGaTypeError, "device", "unknown device");
     (void)device_id;

@@ -399,6 +399,50 @@ INSTANTIATE_TEST_SUITE_P(
         ApplyCase{"NoneClip", kGaOptimizerNone, kGaFloat32, kGaFloat32, kGaClipGlobalNorm, true}),
     [](const ::testing::TestParamInfo<ApplyCase>& i) { return std::string(i.param.name); });
 
+TEST(CudaEmulated, ApplyAgcOverManyLaunchesAndDtypesMatchesCpu) {
+  // 110 tensors, three parameter dtypes, leading and trailing units: several launches per dtype
+  // group, each with its own unit offsets into the call's unit arrays.
+  auto rng = Rng(14);
+  std::vector<int64_t> sizes;
+  std::vector<ga_units> units;
+  std::vector<ga_dtype> pdt;
+  for (int i = 0; i < 110; ++i) {
+    const int64_t nu = 1 + (i * 7) % 40, fan = 1 + (i * 13) % 300;
+    sizes.push_back(nu * fan);
+    units.push_back({nu, i % 3 == 0 ? kGaUnitsTrailing : kGaUnitsLeading});
+    pdt.push_back(i % 5 == 0 ? kGaBFloat16 : (i % 5 == 1 ? kGaFloat16 : kGaFloat32));
+  }
+  TensorList p(pdt, sizes, 0), a(kGaFloat32, sizes, 0), m(kGaFloat32, sizes, 0),
+      v(kGaFloat32, sizes, 0);
+  p.FillUniform(rng, -1, 1);
+  a.FillUniform(rng, -5, 5);
+  TensorList pd = DeviceCopy(p, 0), ad = DeviceCopy(a, 0), md = DeviceCopy(m, 0),
+             vd = DeviceCopy(v, 0);
+  ga_apply_options o{};
+  o.grad_scale = 0.5;
+  o.clip = kGaClipAgc;
+  o.clip_factor = 0.02;
+  o.agc_eps = 1e-3;
+  o.units = units.data();
+  o.optimizer = kGaOptimizerAdamW;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.adam_eps = 1e-8;
+  o.step = 1;
+  o.reset = 1;
+  ga_apply_tensors tc{p.list(), a.list(), m.list(), v.list(), {nullptr, 0}};
+  ga_apply_tensors td{pd.list(), ad.list(), md.list(), vd.list(), {nullptr, 0}};
+  ASSERT_EQ(ga_apply(&tc, &o, nullptr), kGaOk) << ga_last_error();
+  HostBackend b(4);
+  ASSERT_EQ(gc::apply(b, &td, &o, nullptr, nullptr, "accumulators", "params"), kGaOk)
+      << ga_last_error();
+  ExpectListsNear(pd, p, 2e-6, 1e-2);
+  ExpectListsNear(md, m, 2e-6, 1e-2);
+  ExpectListsNear(vd, v, 2e-6, 1e-2);
+}
+
 TEST(CudaEmulated, ApplyFp64AdamWReference) {
   // One AdamW step from known state, checked against fp64 arithmetic directly.
   auto rng = Rng(6);

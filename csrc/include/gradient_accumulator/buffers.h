@@ -31,7 +31,8 @@ GA_API ga_status ga_arena_plan(const int64_t* numels, int64_t n,
                                int64_t* bucket_of, int64_t* bucket_start, int64_t* num_buckets,
                                int64_t* total_numel);
 
-/** \brief Allocate `numel` zeroed fp32 elements aligned to 64 bytes on a device. */
+/** \brief Allocate `numel` zeroed fp32 elements aligned to 64 bytes in host memory
+ *         (kGaCPU; CUDA accumulators are allocated by the framework: kGaUnsupported). */
 GA_API ga_status ga_arena_alloc(int64_t numel, ga_device_type device_type, int32_t device_id,
                                 void** data);
 
