@@ -106,6 +106,22 @@ void validate_bn_update(const ga_tensor& running_mean, const ga_tensor& running_
                         const ga_tensor& mean, const ga_tensor& m2, double count,
                         double new_weight, int unbiased, ga_device_type device);
 
+/// AGC as an apply: no optimizer, gradient scale 1, the clipped gradient written in place.
+inline void agc_as_apply(const ga_tensor_list& params, const ga_tensor_list& grads,
+                         const ga_units* units, double clip_factor, double eps,
+                         ga_apply_tensors* t, ga_apply_options* o) {
+  *t = ga_apply_tensors{};
+  t->params = params;
+  t->accumulators = grads;
+  *o = ga_apply_options{};
+  o->grad_scale = 1.0;
+  o->clip = kGaClipAgc;
+  o->clip_factor = clip_factor;
+  o->agc_eps = eps;
+  o->units = units;
+  o->optimizer = kGaOptimizerNone;
+}
+
 // ---- CPU kernels, compiled once per instruction set and chosen at run time ----
 
 /// One contiguous piece of work: elements [begin, end) of tensor `tensor`.

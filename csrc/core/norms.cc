@@ -94,16 +94,8 @@ extern "C" ga_status ga_unitwise_norm(ga_tensor tensor, ga_units units, ga_tenso
 
 extern "C" ga_status ga_adaptive_clip(ga_tensor_list params, ga_tensor_list grads,
                                       const ga_units* units, double clip_factor, double eps) {
-  // AGC is the apply with no optimizer, unit scale 1 and the result written in place.
-  ga_apply_tensors t{};
-  t.params = params;
-  t.accumulators = grads;
-  ga_apply_options o{};
-  o.grad_scale = 1.0;
-  o.clip = kGaClipAgc;
-  o.clip_factor = clip_factor;
-  o.agc_eps = eps;
-  o.units = units;
-  o.optimizer = kGaOptimizerNone;
+  ga_apply_tensors t;
+  ga_apply_options o;
+  ga::detail::agc_as_apply(params, grads, units, clip_factor, eps, &t, &o);
   return ga::detail::run_apply(&t, &o, nullptr, "grads", "params");
 }

@@ -713,16 +713,9 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
 template <typename B>
 ga_status adaptive_clip(B& b, ga_tensor_list params, ga_tensor_list grads, const ga_units* units,
                         double clip_factor, double eps) {
-  ga_apply_tensors t{};
-  t.params = params;
-  t.accumulators = grads;
-  ga_apply_options o{};
-  o.grad_scale = 1.0;
-  o.clip = kGaClipAgc;
-  o.clip_factor = clip_factor;
-  o.agc_eps = eps;
-  o.units = units;
-  o.optimizer = kGaOptimizerNone;
+  ga_apply_tensors t;
+  ga_apply_options o;
+  detail::agc_as_apply(params, grads, units, clip_factor, eps, &t, &o);
   return apply(b, &t, &o, nullptr, nullptr, "grads", "params");
 }
 
