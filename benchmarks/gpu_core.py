@@ -37,10 +37,36 @@ import torch
 from torch import nn
 
 try:
-    from cpu_core import SMALL, gpt2_shapes, numel, torch_agc
+    from cpu_core import (
+        AGC_EPS,
+        AGC_LAMBDA,
+        BYTES,
+        LR,
+        MAX_NORM,
+        SMALL,
+        WD,
+        K,
+        gpt2_shapes,
+        numel,
+        torch_agc,
+        torch_cycle,
+    )
 except ImportError:  # not run as a script from benchmarks/: cpu_core sits next to this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cpu_core import SMALL, gpt2_shapes, numel, torch_agc
+    from cpu_core import (
+        AGC_EPS,
+        AGC_LAMBDA,
+        BYTES,
+        LR,
+        MAX_NORM,
+        SMALL,
+        WD,
+        K,
+        gpt2_shapes,
+        numel,
+        torch_agc,
+        torch_cycle,
+    )
 
 try:
     from gradient_accumulator import core
@@ -49,11 +75,6 @@ except ImportError:  # run from a checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from gradient_accumulator import core
     from gradient_accumulator.torch import GradientAccumulateOptimizer
-
-K = 4
-LR, WD, MAX_NORM = 1e-3, 0.01, 1.0
-AGC_LAMBDA, AGC_EPS = 0.01, 1e-3
-BYTES = {"accumulate": 10, "apply_adamw": 36, "agc": 16}  # per parameter, as in cpu_core.py
 
 GPT2_SMALL = gpt2_shapes(n_layer=12, d=768, vocab=50257, ctx=1024)
 GPT2_1B = gpt2_shapes(n_layer=18, d=2048, vocab=50257, ctx=1024)
@@ -86,15 +107,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     t = timed({"copy": lambda: dst.copy_(src)}, None, 20, 3)["copy"]
     return 2 * 4 * n / t
-
-
-def torch_cycle(params, grads, opt) -> Callable[[], None]:
-    def run() -> None:
-        torch._foreach_mul_(grads, 1.0 / K)
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return run
 
 
 def cross_check() -> None:
