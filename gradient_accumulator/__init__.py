@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from gradient_accumulator.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning
+
 __version__ = "0.1.0"
 
 _KERAS_NAMES = {
@@ -25,7 +27,13 @@ _KERAS_NAMES = {
     "replace_batchnorm_layers": "gradient_accumulator.keras",
 }
 
-__all__ = ["__version__", "core", *_KERAS_NAMES]
+__all__ = [
+    "__version__",
+    "core",
+    "NonFiniteGradientError",
+    "NonFiniteGradientWarning",
+    *_KERAS_NAMES,
+]
 
 
 def __getattr__(name: str) -> Any:
