@@ -13,6 +13,7 @@ global big batch.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +31,16 @@ __all__ = [
 ]
 
 _ACCUM_BUFFERS = ("accum_count", "accum_mean", "accum_m2", "accum_step")
+_MOMENTS = ("accum_count", "accum_mean", "accum_m2")  # always float64
+
+# Every live AccumBatchNorm layer, so that GradientAccumulateOptimizer.flush() can find the
+# layers whose parameters it holds without being given the model.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_layers() -> list[nn.Module]:
+    """The AccumBatchNorm layers that currently exist (in no particular order)."""
+    return list(_LIVE)
 
 
 class _AccumBatchNormMixin:
@@ -48,6 +59,18 @@ class _AccumBatchNormMixin:
         self.register_buffer("accum_mean", torch.zeros(c, dtype=torch.float64, device=device))
         self.register_buffer("accum_m2", torch.zeros(c, dtype=torch.float64, device=device))
         self.register_buffer("accum_step", torch.zeros((), dtype=torch.long, device=device))
+        _LIVE.add(self)
+
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+        # model.to(dtype) / .half() would round the cycle's float64 moments; they follow the
+        # module's device but keep float64, so a mid-cycle resume stays bit-identical.
+        saved = {n: getattr(self, n) for n in _MOMENTS}
+        out = super()._apply(fn, *args, **kwargs)
+        for n, old in saved.items():
+            new = getattr(self, n)
+            if new.dtype != torch.float64:
+                self._buffers[n] = old.to(device=new.device, dtype=torch.float64)
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", accum_steps={self.accum_steps}"
@@ -102,16 +125,24 @@ class _AccumBatchNormMixin:
             self._update_running()
 
     @torch.no_grad()
-    def _update_running(self) -> None:
-        """Fold the cycle's merged moments into the running statistics and start a new cycle."""
-        if int(self.accum_step) == 0:
+    def _update_running(self, collective: bool = False) -> None:
+        """Fold the cycle's merged moments into the running statistics and start a new cycle.
+
+        Args:
+            collective: take part in the merge across ranks even with an empty local cycle
+                (a flush, which every rank makes, whatever it has seen).
+        """
+        if int(self.accum_step) == 0 and not (collective and self._multi_rank()):
+            return
+        self._merge_across_ranks()
+        if float(self.accum_count) == 0:  # no rank saw a sample this cycle
+            self.accum_step.zero_()
             return
         self.num_batches_tracked += 1
         if self.momentum is None:
             factor = 1.0 / float(self.num_batches_tracked)
         else:
             factor = float(self.momentum)
-        self._merge_across_ranks()
         count = float(self.accum_count)
         if count > 1:
             rm, rv = self.running_mean, self.running_var
@@ -128,16 +159,20 @@ class _AccumBatchNormMixin:
         self.accum_m2.zero_()
         self.accum_step.zero_()
 
+    def _multi_rank(self) -> bool:
+        import torch.distributed as dist
+
+        return (dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self.process_group) > 1)
+
     def _merge_across_ranks(self) -> None:
         """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        if not self._multi_rank():
             return
         group = self.process_group
         world = dist.get_world_size(group)
-        if world == 1:
-            return
         c = self.num_features
         mine = torch.cat([self.accum_count.view(1), self.accum_mean, self.accum_m2])
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -153,8 +188,12 @@ class _AccumBatchNormMixin:
         self.accum_m2.copy_(m2)
 
     def flush(self) -> None:
-        """Apply a partial cycle's statistics now (end of data)."""
-        self._update_running()
+        """Apply a partial cycle's statistics now (end of data).
+
+        Under torch.distributed every rank must flush: a rank with an empty partial cycle
+        still takes part in the merge.
+        """
+        self._update_running(collective=True)
 
 
 class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):

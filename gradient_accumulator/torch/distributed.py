@@ -3,8 +3,11 @@
 The accumulators live in one flat fp32 buffer laid out in backward order and cut into buckets at
 tensor boundaries (see ``core.arena_plan``), so a bucket is a contiguous slice that the
 framework's collective (NCCL on GPUs, Gloo on CPUs) reduces in place — no packing, no home-made
-transport. Two scalars ride in the last bucket: the rank's total micro-batch weight and its
-non-finite flag, so the global weight and "skip this cycle" are agreed in the same round.
+transport. Scalars ride in the last bucket: the rank's total micro-batch weight and its
+non-finite flag, so the global weight and "skip this cycle" are agreed in the same round, and a
+few small integers (``accum_steps``, part of the layout fingerprint, whether the round is a
+flush) with their squares, so that every rank learns in that same round whether all ranks
+agree on them (Σv² · n = (Σv)² only when every rank sent the same v).
 """
 
 from __future__ import annotations
@@ -15,9 +18,60 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BucketReducer", "SCALAR_SLOTS"]
+__all__ = [
+    "AGREE_SLOT",
+    "BucketReducer",
+    "SCALAR_SLOTS",
+    "agreement_slots",
+    "check_ranks_agree",
+    "disagreement",
+]
 
 SCALAR_SLOTS = 16  # elements reserved after the last bucket (keeps 64-byte alignment)
+AGREE_SLOT = 2  # first scalar slot of the per-cycle agreement check (0: weight, 1: non-finite)
+
+
+def check_ranks_agree(group: Any, values: dict[str, int], device: Any) -> None:
+    """Check, in one all-reduce, that every rank of ``group`` holds the same integers.
+
+    Raises:
+        ValueError: on every rank, naming each value the ranks disagree on, with its range.
+    """
+    items = list(values.items())
+    own = [int(v) for _, v in items]
+    t = torch.tensor(own + [-v for v in own], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    n = len(items)
+    bad = [
+        f"{name} (from {-int(t[n + i])} to {int(t[i])}; this rank: {own[i]})"
+        for i, (name, _) in enumerate(items)
+        if int(t[i]) != -int(t[n + i])
+    ]
+    if bad:
+        raise ValueError(
+            "GradientAccumulateOptimizer: the ranks of the process group disagree on "
+            + ", ".join(bad)
+            + "; every rank must wrap the same model with the same settings"
+        )
+
+
+def agreement_slots(values: list[int]) -> list[float]:
+    """The scalars this rank adds to the cycle's reduction: 1, then each value and its square."""
+    out = [1.0]
+    for v in values:
+        out += [float(v), float(v) * float(v)]
+    return out
+
+
+def disagreement(reduced: list[float], names: list[str]) -> list[str]:
+    """Names of the values on which the ranks disagreed, from the reduced agreement slots."""
+    n = reduced[0]
+    bad = []
+    for i, name in enumerate(names):
+        total, squares = reduced[1 + 2 * i], reduced[2 + 2 * i]
+        if total * total != n * squares:
+            bad.append(name)
+    return bad
 
 
 class BucketReducer:

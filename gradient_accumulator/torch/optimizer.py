@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import signal
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, NamedTuple
@@ -10,7 +13,16 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from gradient_accumulator import core
-from gradient_accumulator.torch.distributed import SCALAR_SLOTS, BucketReducer, resolve_group
+from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
+from gradient_accumulator.torch.distributed import (
+    AGREE_SLOT,
+    SCALAR_SLOTS,
+    BucketReducer,
+    agreement_slots,
+    check_ranks_agree,
+    disagreement,
+    resolve_group,
+)
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer"]
 
@@ -44,6 +56,39 @@ def _check_accum_steps(accum_steps: Any) -> int:
 
 def _float(v: Any) -> float:
     return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+_FLT_MAX = 3.4028234663852886e38
+
+
+class _HeldInterrupts:
+    """Hold SIGINT while a step writes: Ctrl-C then surfaces once buffers and counters agree.
+
+    Only the main thread receives KeyboardInterrupt, and only a Python-level handler can be
+    held; anywhere else this does nothing.
+    """
+
+    __slots__ = ("old", "received")
+
+    def __enter__(self) -> _HeldInterrupts:
+        self.old = None
+        self.received: tuple[int, Any] | None = None
+        if threading.current_thread() is threading.main_thread():
+            current = signal.getsignal(signal.SIGINT)
+            if callable(current):
+                self.old = current
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self.received = (signum, frame)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.old is None:
+            return
+        signal.signal(signal.SIGINT, self.old)
+        if self.received is not None:
+            self.old(*self.received)  # the default handler raises KeyboardInterrupt here
 
 
 class GradientAccumulateOptimizer(torch.optim.Optimizer):
@@ -97,6 +142,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             after the backward, in ``step()``.
         reduce_timeout: seconds to wait for the other ranks at the boundary before raising
             ``RuntimeError`` (None: the process group's own timeout).
+        on_nonfinite: what a cycle whose accumulated gradient holds NaN or Inf does (a NaN/Inf
+            micro-batch gradient, or finite ones whose weighted sum overflowed fp32):
+            ``"skip"`` (default) drops it and warns (``NonFiniteGradientWarning``, on the 1st,
+            2nd, 4th, … skipped cycle), ``"raise"`` raises ``NonFiniteGradientError`` before
+            anything is written, ``"apply"`` applies it. With ``grad_scaler`` such a cycle is
+            skipped silently and the scale lowered, whatever this says.
+        model: the module the parameters come from (optional). Errors then name parameters
+            by their names in it, and :meth:`flush` also flushes its ``AccumBatchNorm*d``
+            layers (without it, those whose affine weight this optimizer holds).
 
     Attributes:
         update_applied: whether the last :meth:`step` (or :meth:`flush`) updated the weights.
@@ -139,6 +193,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         overlap_reduce: bool = True,
         reduce_timeout: float | None = None,
+        on_nonfinite: str = "skip",
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -158,11 +214,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
         if use_agc and max_grad_norm is not None:
             raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
-        if use_agc:
-            if not (isinstance(clip_factor, (int, float)) and clip_factor > 0):
-                raise ValueError(f"clip_factor must be > 0, got {clip_factor!r}")
-            if not (isinstance(eps, (int, float)) and eps >= 0):
-                raise ValueError(f"eps must be >= 0, got {eps!r}")
+        for name, value, low in (("clip_factor", clip_factor, "> 0"), ("eps", eps, ">= 0")):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            ok = value > 0 if low == "> 0" else value >= 0
+            if not (math.isfinite(value) and ok):
+                raise ValueError(f"{name} must be finite and {low}, got {value!r}")
+        self.on_nonfinite = check_on_nonfinite(on_nonfinite)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler")
 
@@ -174,6 +234,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self.eps = float(eps)
         self.grad_scaler = grad_scaler
         self.leftover = leftover
+        self.model = model
+        self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
         # Share the inner optimizer's groups and state: LR schedulers and state_dict() act on it.
         # (torch.optim.Optimizer.__init__ is not called: it would rebuild the groups.)
         for name in (
@@ -189,19 +251,28 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         if not self._params:
             raise ValueError("optimizer has no parameters")
+        self._names = self._parameter_names(model)
         ids = {id(p) for p in self._params}
         if len(ids) != len(self._params):
             raise ValueError("a parameter appears twice in the optimizer's param_groups")
         for i, p in enumerate(self._params):
             if p.device.type != "cpu" and not core.has_cuda():
                 raise TypeError(
-                    f"parameter {i} is on {p.device}, but this build of gradient-accumulator "
-                    "has no CUDA kernels (rebuild with GA_CUDA=ON)"
+                    f"parameter {self._names[i]} is on {p.device}, but this build of "
+                    "gradient-accumulator has no CUDA kernels (rebuild with GA_CUDA=ON)"
                 )
             if not p.is_floating_point() or p.dtype not in (
                 torch.float32, torch.bfloat16, torch.float16
             ):
-                raise TypeError(f"parameter {i} has dtype {p.dtype}; expected float32/bf16/fp16")
+                raise TypeError(
+                    f"parameter {self._names[i]} has dtype {p.dtype}; expected float32/bf16/fp16"
+                )
+            if p.device != self._params[0].device:
+                raise ValueError(
+                    f"parameter {self._names[i]} is on {p.device}, parameter {self._names[0]} on "
+                    f"{self._params[0].device}: one wrapper holds parameters of one device"
+                )
+        self._check_layout()
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._agc_skip = self._resolve_exclude(agc_exclude) if self.use_agc else set()
         self._fused_kind = self._fused_optimizer_kind()
@@ -236,11 +307,27 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._device_flag = (
             torch.zeros((), dtype=torch.float32, device=self._flat.device) if self._cuda else None
         )
+        self._layout = self._layout_fingerprint()
         self._reducer: BucketReducer | None = None
         self._hooks: list[Any] = []
         self._next_weight: float | None = None
         self._overlap = bool(overlap_reduce) and self._distributed
         if self._distributed:
+            # Ranks that disagree on the cycle or the layout would pair wrong collectives (or
+            # abort inside the backend on different sizes): one clear error on every rank now.
+            check_ranks_agree(
+                group,
+                {
+                    "accum_steps": self.accum_steps,
+                    "reduction": _REDUCTIONS.index(reduction),
+                    "number of parameters": len(self._params),
+                    "accumulator elements": self._flat.numel(),
+                    "buckets": len(plan.bucket_start),
+                    "layout fingerprint": int(self._layout[:12], 16),
+                    "overlap_reduce": int(bool(overlap_reduce)),
+                },
+                self._flat.device,
+            )
             self._reducer = BucketReducer(self._flat, plan.bucket_start, group, reduce_timeout)
             self._bucket_of = list(plan.bucket_of)
             self._bucket_size = [0] * self._reducer.num_buckets
@@ -257,6 +344,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._sumsq: float | None = None
         self._updates = 0
         self._overlapped = False  # this micro-batch's gradients went through the hooks
+        self._flushing = False  # the reduction in progress is a flush's (checked across ranks)
         self._overlap_weight = 1.0
         self._hooked: set[int] = set()  # parameters the hooks folded in this micro-batch
         self.update_applied = False
@@ -264,6 +352,54 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._clip_coef: torch.Tensor | None = None
 
     # ---- configuration helpers ----
+
+    def _parameter_names(self, model: torch.nn.Module | None) -> list[str]:
+        """How errors name each parameter: its name in ``model``, else its group and index."""
+        named = {}
+        if model is not None:
+            named = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        names = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                names.append(repr(named[id(p)]) if id(p) in named
+                             else f"param_groups[{g}]['params'][{j}]")
+        return names
+
+    def _check_layout(self) -> None:
+        """Refuse now what the core would refuse at the first update (nothing written yet)."""
+        spans = []
+        for i, p in enumerate(self._params):
+            if not p.is_contiguous():
+                fmt = ("channels-last" if p.dim() in (4, 5) and (
+                    p.is_contiguous(memory_format=torch.channels_last)
+                    or p.is_contiguous(memory_format=torch.channels_last_3d)) else "non-contiguous")
+                raise ValueError(
+                    f"parameter {self._names[i]} is {fmt}; the update writes parameters as flat "
+                    "contiguous buffers (convert the model with "
+                    "memory_format=torch.contiguous_format, or keep channels-last activations only)"
+                )
+            if p.numel():
+                start = p.data_ptr()
+                spans.append((start, start + p.numel() * p.element_size(), i))
+        spans.sort()
+        for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+            if start_b < end_a:
+                first, second = sorted((a, b))
+                raise ValueError(
+                    f"parameters {self._names[first]} and {self._names[second]} share memory; "
+                    "each parameter must own its storage (tie weights by using one Parameter "
+                    "object, which the optimizer then holds once)"
+                )
+
+    def _layout_fingerprint(self) -> str:
+        """A digest of what the accumulator buffer's layout depends on (shapes, dtypes, groups)."""
+        h = hashlib.sha256()
+        for group in self.optimizer.param_groups:
+            h.update(b"|group")
+            for p in group["params"]:
+                h.update(f"{tuple(p.shape)}:{p.dtype};".encode())
+        h.update(f"|{self._flat.numel()}".encode())
+        return h.hexdigest()[:16]
 
     def _resolve_exclude(self, exclude: str | Iterable[Any]) -> set[int]:
         if isinstance(exclude, str):
@@ -346,6 +482,13 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, if a closure was given.
+
+        A step is all or nothing: an error raised by it (bad input, a refused gradient, a
+        non-finite cycle under ``on_nonfinite="raise"``) leaves the micro-batch uncounted and its
+        ``.grad`` in place, so fixing the cause and calling ``step()`` again counts it once. A
+        Ctrl-C arriving while the step writes is held until counters and buffers agree and then
+        raised: the micro-batch has then been counted (:attr:`micro_step` moved) and must not be
+        fed again.
         """
         loss = None
         if closure is not None:
@@ -374,11 +517,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     f"weight={weight} differs from the weight {self._next_weight} given to "
                     "accumulate(model, opt, weight=...); give it once"
                 )
-        self._next_weight = None
-        self._accumulate(weight)
-        self.update_applied = False
-        if self._micro_step >= self.accum_steps:
-            self._apply()
+        with _HeldInterrupts():
+            self._accumulate(weight)
+            self._next_weight = None
+            self.update_applied = False
+            if self._micro_step >= self.accum_steps:
+                self._apply()
         return loss
 
     def _accumulate(self, weight: float) -> None:
@@ -391,10 +535,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             if g is None:
                 continue
             if g.is_sparse:
-                raise TypeError(f"parameter {i} has a sparse gradient, which is not supported")
+                raise TypeError(f"parameter {self._names[i]} has a sparse gradient, which is not "
+                                "supported")
             if g.shape != p.shape:
-                raise ValueError(f"parameter {i}'s .grad has shape {tuple(g.shape)}, not "
-                                 f"{tuple(p.shape)}")
+                raise ValueError(f"parameter {self._names[i]}'s .grad has shape "
+                                 f"{tuple(g.shape)}, not {tuple(p.shape)}")
             g = g.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
@@ -408,8 +553,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 fresh_a.append(self._accs[i])
                 fresh_g.append(g)
         mode = "running_mean" if self.reduction == "running_mean" else "sum"
-        want_norm = (boundary and self.max_grad_norm is not None and not self._distributed
-                     and self.reduction != "running_mean" and not self._cuda)
+        # At the boundary the pass also returns Σacc²: the clip norm, and the check that the
+        # accumulated result is finite (finite gradients can overflow fp32 once summed).
+        want_norm = (boundary and not self._distributed and self.reduction != "running_mean"
+                     and not self._cuda)
         # Validate everything before writing: both calls below check their lists first, and the
         # second cannot fail on input the first accepted (same checks, disjoint tensors).
         nonfinite = False
@@ -465,16 +612,46 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def flush(self) -> bool:
         """End of data: apply a partial cycle with its true weight (``leftover="apply"``).
 
-        With ``leftover="carry"`` the partial cycle is kept and continues with the next data.
+        The ``AccumBatchNorm*d`` layers this optimizer knows (those of ``model``, or those
+        whose affine weight it holds) fold their partial cycle into the running statistics at
+        the same time, so they stay in phase with the updates. With ``leftover="carry"`` the
+        partial cycle — of the optimizer and of those layers — is kept and continues with the
+        next data. Under torch.distributed every rank must call ``flush()`` (a rank with an
+        empty partial cycle still takes part in the reduction).
 
         Returns:
             True if an update was applied.
         """
         self.update_applied = False
-        if self._micro_step == 0 or self.leftover == "carry":
+        if self.leftover == "carry":
             return False
-        self._sumsq = None
-        return self._apply()
+        with _HeldInterrupts():
+            applied = False
+            if self._micro_step > 0 or self._distributed:
+                self._sumsq = None
+                self._flushing = True
+                try:
+                    applied = self._apply()
+                finally:
+                    self._flushing = False
+            for layer in self._batchnorm_layers():
+                layer.flush()
+        return applied
+
+    def _batchnorm_layers(self) -> list[torch.nn.Module]:
+        """The AccumBatchNorm layers flushed with the optimizer, in an order every rank shares."""
+        from gradient_accumulator.torch.batchnorm import _AccumBatchNormMixin, live_layers
+
+        layers: list[torch.nn.Module] = []
+        if self.model is not None:
+            layers = [m for m in self.model.modules() if isinstance(m, _AccumBatchNormMixin)]
+        known = {id(m) for m in layers}
+        held = sorted(
+            (self._index[id(m.weight)], m) for m in live_layers()
+            if id(m) not in known and isinstance(m.weight, torch.Tensor)
+            and id(m.weight) in self._index
+        )
+        return layers + [m for _, m in held]
 
     def _grad_scale(self) -> float:
         if self.reduction == "mean":
@@ -525,12 +702,25 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if self.reduction == "running_mean":
             self._flat[: -SCALAR_SLOTS].mul_(self._total_weight)
         scalars = self._flat[-SCALAR_SLOTS:]
-        scalars.zero_()
-        scalars[0] = self._total_weight
-        scalars[1] = 1.0 if self._nonfinite else 0.0
+        agree = agreement_slots([self.accum_steps, int(self._layout[:2], 16),
+                                 int(self._layout[2:4], 16), int(self._flushing)])
+        host = [self._total_weight, 1.0 if self._nonfinite else 0.0] + agree
+        host += [0.0] * (SCALAR_SLOTS - len(host))
+        scalars.copy_(torch.tensor(host, dtype=torch.float32))
         self._reducer.finish()
-        self._total_weight = float(scalars[0])
-        self._nonfinite = bool(scalars[1] > 0) or not math.isfinite(self._total_weight)
+        reduced = scalars.tolist()
+        bad = disagreement(reduced[AGREE_SLOT:], ["accum_steps", "parameter layout", "flush"])
+        if bad:
+            # Every rank sees the same sums, so every rank raises here, in the same round.
+            self._reset_cycle()
+            self._bucket_done = [0] * self._reducer.num_buckets
+            raise RuntimeError(
+                "GradientAccumulateOptimizer: the ranks disagreed on " + ", ".join(bad)
+                + " in this cycle's reduction (different accum_steps or models, or flush() "
+                "called on some ranks and a regular step on others); the cycle was dropped"
+            )
+        self._total_weight = float(reduced[0])
+        self._nonfinite = bool(reduced[1] > 0) or not math.isfinite(self._total_weight)
         if self.reduction == "running_mean" and self._total_weight > 0:
             self._flat[: -SCALAR_SLOTS].div_(self._total_weight)
         # As with DDP, every parameter takes part in the update (zero where no rank had one).
@@ -544,6 +734,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if self._micro_step + 1 < self.accum_steps or p.grad is None:
             return
         i = self._index[id(p)]
+        if i in self._hooked:
+            # A backward of this micro-batch raised after folding this gradient (and maybe
+            # launching its bucket); the retried backward brings the same gradient again.
+            p.grad = None
+            return
         weight = self._next_weight if self._next_weight is not None else 1.0
         if not self._overlapped:
             self._overlapped = True
@@ -583,33 +778,38 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         return self._reducer.bytes_reduced if self._reducer is not None else 0
 
     def _apply(self) -> bool:
-        self._collect_device_flag()
         if self._distributed:
+            self._collect_device_flag()
             self._reduce()
         idx = [i for i in range(len(self._params)) if self._seen[i]]
-        if self._nonfinite:
-            # Skip the whole cycle: nothing half-applied, accumulators start over.
-            self._update_scaler(True)
-            self._reset_cycle()
-            self.last_grad_norm = float("nan")
-            return False
         scale = self._grad_scale()
+        norm = self._check_accumulated(idx, scale)
+        self._collect_device_flag()
+        if self._nonfinite or not math.isfinite(self._total_weight):
+            scaling = self.grad_scaler is not None and self.grad_scaler.is_enabled()
+            if scaling or self.on_nonfinite != "apply":
+                # Skip the whole cycle: nothing half-applied, accumulators start over.
+                self._update_scaler(True)
+                self._reset_cycle()
+                self.last_grad_norm = float("nan")
+                if not scaling:
+                    if self.on_nonfinite == "raise":
+                        self._nonfinite_counter.raise_error()
+                    self._nonfinite_counter.record_skip(stacklevel=4)
+                return False
+        if not self._total_weight > 0:
+            # Every micro-batch of the cycle had weight 0: there is no gradient to apply (an
+            # update would still move weights through weight decay and momentum).
+            self._reset_cycle()
+            return False
         self._clip_coef = None
         if self.max_grad_norm is not None and self._cuda:
             # Norm and coefficient stay on the device; every apply call reads the coefficient.
-            if idx:
-                norm_t = core.sum_of_squares([self._accs[i] for i in idx]).sqrt() * abs(scale)
-            else:
-                norm_t = torch.zeros((), dtype=torch.float64, device=self._flat.device)
             self._clip_coef = (
-                (self.max_grad_norm / (norm_t + 1e-6)).clamp(max=1.0).to(torch.float32).reshape(1)
+                (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).to(torch.float32).reshape(1)
             )
-            self.last_grad_norm = norm_t
+            self.last_grad_norm = norm
         elif self.max_grad_norm is not None:
-            sumsq = self._sumsq
-            if sumsq is None:
-                sumsq = core.sum_of_squares([self._accs[i] for i in idx]) if idx else 0.0
-            norm = math.sqrt(sumsq) * abs(scale)
             self.last_grad_norm = norm
             scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
         if self._fused_kind is not None:
@@ -624,6 +824,30 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._reset_cycle()
         self.update_applied = True
         return True
+
+    def _check_accumulated(self, idx: list[int], scale: float) -> Any:
+        """The norm of the cycle's gradient (accumulators × scale), and whether it is finite.
+
+        Finite micro-batch gradients can sum to more than fp32 holds (a huge weight, a loss
+        scale that kept growing): the accumulated result itself is checked. On CPU the norm is
+        a float and a non-finite one sets ``_nonfinite``; on CUDA it stays a device tensor and
+        raises the device flag, read with the cycle's one flag read.
+        """
+        if self._cuda:
+            if idx:
+                norm = core.sum_of_squares([self._accs[i] for i in idx]).sqrt() * abs(scale)
+            else:
+                norm = torch.zeros((), dtype=torch.float64, device=self._flat.device)
+            assert self._device_flag is not None
+            self._device_flag.add_((~(norm <= _FLT_MAX)).to(torch.float32))
+            return norm
+        sumsq = self._sumsq
+        if sumsq is None:
+            sumsq = core.sum_of_squares([self._accs[i] for i in idx]) if idx else 0.0
+        norm = math.sqrt(sumsq) * abs(scale)
+        if not norm <= _FLT_MAX:
+            self._nonfinite = True
+        return norm
 
     def _agc_kwargs(self, ids: Sequence[int]) -> list[tuple[list[int], bool]]:
         """Split indices into (AGC-clipped, excluded) runs."""
@@ -677,6 +901,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             nesterov=bool(group["nesterov"]), momentum_initialized=initialized,
             clip_coef=None if agc else self._clip_coef,
         )
+        # The core wrote through raw pointers: bump autograd's version counters as an in-place
+        # torch op would, so a backward through a graph recorded before the update raises.
+        torch.autograd.graph.increment_version(params)
 
     def _apply_adam(self, group: dict, gidx: list[int], scale: float) -> None:
         decoupled = bool(group.get("decoupled_weight_decay",
@@ -709,6 +936,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     eps=_float(group["eps"]), step=int(step) + 1,
                     clip_coef=None if agc else self._clip_coef,
                 )
+                torch.autograd.graph.increment_version(params)
                 for s in states:
                     s["step"] += 1
 
@@ -733,11 +961,16 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     # ---- state ----
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus the accumulators and the cycle's position."""
+        """The inner optimizer's state dict plus the accumulators and the cycle's position.
+
+        ``"layout"`` is a fingerprint of the parameters' shapes, dtypes and groups, checked by
+        :meth:`load_state_dict`.
+        """
         self._collect_device_flag()
         return {
             "optimizer": self.optimizer.state_dict(),
             "accumulation": {
+                "layout": self._layout,
                 "accum_steps": self.accum_steps,
                 "reduction": self.reduction,
                 "micro_step": self._micro_step,
@@ -751,28 +984,66 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (mid-cycle included)."""
+        """Restore what :meth:`state_dict` saved (mid-cycle included).
+
+        Everything is checked before anything is loaded: a state dict of another model (a
+        different layout fingerprint, even with a buffer of the same size), of other settings,
+        or with entries missing or of the wrong kind raises ``ValueError`` and leaves this
+        optimizer and the inner one as they were.
+        """
         if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
             raise ValueError("state_dict was not produced by GradientAccumulateOptimizer")
-        acc = state_dict.get("accumulation", {})
-        flat = acc.get("accumulators")
-        if flat is None or flat.numel() != self._flat.numel():
+        acc = state_dict.get("accumulation")
+        if not isinstance(acc, dict):
+            raise ValueError("state_dict has no 'accumulation' entry (not produced by "
+                             "GradientAccumulateOptimizer, or truncated)")
+        missing = [k for k in ("layout", "accum_steps", "reduction", "micro_step",
+                               "total_weight", "nonfinite", "updates", "seen", "accumulators")
+                   if k not in acc]
+        if missing:
+            raise ValueError(f"state_dict['accumulation'] lacks {missing} (truncated, or saved "
+                             "by an older version)")
+        if acc["layout"] != self._layout:
+            raise ValueError(
+                f"state_dict was saved for another parameter layout (fingerprint "
+                f"{acc['layout']!r}, this optimizer's is {self._layout!r}): the parameters' "
+                "shapes, dtypes or groups differ"
+            )
+        flat = acc["accumulators"]
+        if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.float32
+                or flat.shape != self._flat.shape):
             raise ValueError("state_dict's accumulators do not match this optimizer's parameters")
-        if acc.get("accum_steps") != self.accum_steps or acc.get("reduction") != self.reduction:
+        if acc["accum_steps"] != self.accum_steps or acc["reduction"] != self.reduction:
             raise ValueError(
                 "state_dict was saved with accum_steps/reduction "
-                f"{acc.get('accum_steps')}/{acc.get('reduction')}, this optimizer uses "
+                f"{acc['accum_steps']}/{acc['reduction']}, this optimizer uses "
                 f"{self.accum_steps}/{self.reduction}"
             )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        seen = acc["seen"]
+        micro = acc["micro_step"]
+        if (not isinstance(seen, (list, tuple)) or len(seen) != len(self._params)
+                or not isinstance(micro, int) or not 0 <= micro < self.accum_steps):
+            raise ValueError("state_dict's cycle position (micro_step, seen) does not fit this "
+                             "optimizer (truncated or edited)")
+        inner = state_dict["optimizer"]
+        if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list)
+                and isinstance(inner.get("state"), dict)):
+            raise ValueError("state_dict['optimizer'] is not an optimizer state dict")
+        sizes = [len(g.get("params", ())) for g in inner["param_groups"]]
+        if sizes != [len(g["params"]) for g in self.optimizer.param_groups]:
+            raise ValueError(
+                f"state_dict['optimizer'] has groups of {sizes} parameters, the inner optimizer "
+                f"{[len(g['params']) for g in self.optimizer.param_groups]}"
+            )
+        self.optimizer.load_state_dict(inner)
         self._flat.copy_(flat)
         if self._device_flag is not None:
             self._device_flag.zero_()
-        self._micro_step = int(acc["micro_step"])
+        self._micro_step = int(micro)
         self._total_weight = float(acc["total_weight"])
         self._nonfinite = bool(acc["nonfinite"])
         self._updates = int(acc["updates"])
-        self._seen = [bool(s) for s in acc["seen"]]
+        self._seen = [bool(s) for s in seen]
         self._growth_tracker = int(acc.get("growth_tracker", 0))
         self._sumsq = None
 
