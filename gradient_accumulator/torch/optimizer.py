@@ -526,7 +526,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         return loss
 
     def _accumulate(self, weight: float) -> None:
-        first = self._micro_step == 0
+        # A running mean over a total weight of 0 is empty: the next weighted micro-batch starts
+        # it afresh (zero-weight micro-batches only count).
+        first = self._micro_step == 0 or (
+            self.reduction == "running_mean" and self._total_weight == 0 and not self._overlapped
+        )
         boundary = self._micro_step + 1 >= self.accum_steps
         fresh_a, fresh_g, add_a, add_g = [], [], [], []
         touched = []
@@ -553,6 +557,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 fresh_a.append(self._accs[i])
                 fresh_g.append(g)
         mode = "running_mean" if self.reduction == "running_mean" else "sum"
+        empty = mode == "running_mean" and self._total_weight + weight == 0
+        if empty and not self._overlapped:
+            fresh_a, fresh_g, add_a, add_g = [], [], [], []
         # At the boundary the pass also returns Σacc²: the clip norm, and the check that the
         # accumulated result is finite (finite gradients can overflow fp32 once summed).
         want_norm = (boundary and not self._distributed and self.reduction != "running_mean"
@@ -572,7 +579,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 nonfinite |= r.nonfinite
             if want_norm:
                 sumsq += r.sumsq
-        if first:
+        if first and empty and not self._overlapped:
+            self._seen = [False] * len(self._params)
+        elif first:
             # Parameters without a gradient in the cycle's first micro-batch start from zero.
             # (Gradients the overwrite hooks already consumed count as present.)
             self._seen = [s or p.grad is not None for s, p in zip(self._seen, self._params)]
