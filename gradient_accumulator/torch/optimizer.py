@@ -718,7 +718,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         scalars.copy_(torch.tensor(host, dtype=torch.float32))
         self._reducer.finish()
         reduced = scalars.tolist()
-        bad = disagreement(reduced[AGREE_SLOT:], ["accum_steps", "parameter layout", "flush"])
+        bad = disagreement(reduced[AGREE_SLOT:],
+                           ["accum_steps", "parameter layout", "parameter layout", "flush"])
+        bad = list(dict.fromkeys(bad))
         if bad:
             # Every rank sees the same sums, so every rank raises here, in the same round.
             self._reset_cycle()
