@@ -61,34 +61,55 @@ def _float(v: Any) -> float:
 _FLT_MAX = 3.4028234663852886e38
 
 
-class _HeldInterrupts:
-    """Hold SIGINT while a step writes: Ctrl-C then surfaces once buffers and counters agree.
+class _InterruptGate:
+    """Holds Ctrl-C while a step writes, so it surfaces once buffers and counters agree.
 
-    Only the main thread receives KeyboardInterrupt, and only a Python-level handler can be
-    held; anywhere else this does nothing.
+    On the first step in the main thread, the process's Python-level SIGINT handler (if it has
+    one) is wrapped once: outside a step the wrapper calls it at once; inside one it records the
+    signal, and the step calls it on the way out. Entering and leaving a step then costs a
+    counter update, not a ``signal.signal`` call. A handler installed later replaces the
+    wrapper, and interrupts are then no longer held.
     """
 
-    __slots__ = ("old", "received")
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: tuple[int, Any] | None = None
+        self.inner: Callable[..., Any] | None = None
+        self.tried = False
 
-    def __enter__(self) -> _HeldInterrupts:
-        self.old = None
-        self.received: tuple[int, Any] | None = None
-        if threading.current_thread() is threading.main_thread():
-            current = signal.getsignal(signal.SIGINT)
-            if callable(current):
-                self.old = current
-                signal.signal(signal.SIGINT, self._hold)
+    def install(self) -> None:
+        self.tried = True
+        current = signal.getsignal(signal.SIGINT)
+        if callable(current) and not isinstance(current, _InterruptGate):
+            self.inner = current
+            signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.depth > 0:
+            self.pending = (signum, frame)
+        elif self.inner is not None:
+            self.inner(signum, frame)
+
+    def __enter__(self) -> _InterruptGate:
+        # Only the main thread receives KeyboardInterrupt: steps elsewhere hold nothing.
+        if threading.get_ident() == _MAIN_THREAD:
+            if not self.tried:
+                self.install()
+            self.depth += 1
         return self
 
-    def _hold(self, signum: int, frame: Any) -> None:
-        self.received = (signum, frame)
-
     def __exit__(self, *exc: Any) -> None:
-        if self.old is None:
+        if threading.get_ident() != _MAIN_THREAD:
             return
-        signal.signal(signal.SIGINT, self.old)
-        if self.received is not None:
-            self.old(*self.received)  # the default handler raises KeyboardInterrupt here
+        self.depth -= 1
+        if self.depth == 0 and self.pending is not None:
+            pending, self.pending = self.pending, None
+            if self.inner is not None and signal.getsignal(signal.SIGINT) is self:
+                self.inner(*pending)  # the default handler raises KeyboardInterrupt here
+
+
+_MAIN_THREAD = threading.main_thread().ident
+_held_interrupts = _InterruptGate()
 
 
 class GradientAccumulateOptimizer(torch.optim.Optimizer):
@@ -517,7 +538,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     f"weight={weight} differs from the weight {self._next_weight} given to "
                     "accumulate(model, opt, weight=...); give it once"
                 )
-        with _HeldInterrupts():
+        with _held_interrupts:
             self._accumulate(weight)
             self._next_weight = None
             self.update_applied = False
@@ -634,7 +655,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self.update_applied = False
         if self.leftover == "carry":
             return False
-        with _HeldInterrupts():
+        with _held_interrupts:
             applied = False
             if self._micro_step > 0 or self._distributed:
                 self._sumsq = None
