@@ -107,6 +107,7 @@ def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
                     opt.step(weight=len(idx))
                     opt.zero_grad()
                 result["flushed"] = opt.flush()
+                result["flushed_again"] = opt.flush()  # every rank empty: no update, no stats
             elif scenario == "flush_vs_step":
                 for j, idx in enumerate(_plan(rank, 2)):
                     F.mse_loss(model(x[idx]), y[idx]).backward()
@@ -221,6 +222,7 @@ def test_flush_with_an_empty_last_cycle_on_one_rank(tmp_path):
     out = _run("flush_empty", tmp_path)
     assert [r.get("error") for r in out] == [None, None]
     assert out[0]["flushed"] and out[1]["flushed"]
+    assert not out[0]["flushed_again"] and not out[1]["flushed_again"]
     p0, p1 = _plan(0, 5), _plan(1, 4)
     cycles = [p0[0:2] + p1[0:2], p0[2:4] + p1[2:4], p0[4:5]]
     ref = _reference(cycles, bn=True)
