@@ -538,6 +538,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     f"weight={weight} differs from the weight {self._next_weight} given to "
                     "accumulate(model, opt, weight=...); give it once"
                 )
+        if self._micro_step + 1 >= self.accum_steps and not all(
+            p.is_contiguous() for p in self._params
+        ):
+            # A parameter converted since construction (e.g. model.to(memory_format=...)):
+            # refuse before this micro-batch is folded in, naming it.
+            self._check_layout()
         with _held_interrupts:
             self._accumulate(weight)
             self._next_weight = None

@@ -337,6 +337,38 @@ def test_channels_last_parameter_refused_at_construction_by_name():
         GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
 
 
+def test_parameter_converted_after_construction_refused_before_the_boundary_writes():
+    torch.manual_seed(0)
+    model = _Conv()
+    ref = copy.deepcopy(model)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
+    ref_opt = GradientAccumulateOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), 2)
+    xs = [torch.randn(2, 3, 5, 5) for _ in range(2)]
+
+    def loss(m, x):
+        return m.head(m.stem(x).mean((2, 3))).square().sum()
+
+    loss(model, xs[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    model.to(memory_format=torch.channels_last)
+    loss(model, xs[1]).backward()
+    before = [a.clone() for a in opt.accumulators()]
+    with pytest.raises(ValueError, match=r"'stem\.weight' is channels-last"):
+        opt.step()
+    assert opt.micro_step == 1 and not opt.update_applied
+    assert all(torch.equal(a, b) for a, b in zip(opt.accumulators(), before))
+    model.to(memory_format=torch.contiguous_format)
+    opt.step()  # the retry counts the micro-batch once
+    assert opt.update_applied
+    for x in xs:
+        loss(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6)
+               for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def test_parameters_sharing_storage_refused_at_construction_by_name():
     model = nn.Module()
     base = torch.randn(10)
