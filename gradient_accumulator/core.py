@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -57,6 +58,9 @@ Tensor = Any  # any object with __dlpack__, or a DLPack capsule
 
 _MODES = ("sum", "mean", "running_mean")
 _OPTIMIZERS = ("none", "sgd", "adam", "adamw")
+
+
+_INT64_LIMIT = 2**63
 
 
 class AccumulateResult(NamedTuple):
@@ -623,6 +627,12 @@ def arena_plan(
         counts = [int(n) for n in numels]
     except TypeError as e:
         raise TypeError(f"numels must be a sequence of element counts: {e}") from None
+    for i, n in enumerate(counts):
+        if not 0 <= n < _INT64_LIMIT:
+            raise ValueError(f"numels[{i}] must be in [0, 2**63), got {n}")
+    for name, value in (("alignment", alignment), ("bucket_numel", bucket_numel)):
+        if not 0 < int(value) < _INT64_LIMIT:
+            raise ValueError(f"{name} must be in [1, 2**63), got {value!r}")
     offsets, bucket_of, bucket_start, total = load_core().arena_plan(
         counts, int(alignment), int(bucket_numel), bool(reverse)
     )
@@ -646,6 +656,8 @@ class Arena:
     def __init__(self, numel: int):
         if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if numel >= _INT64_LIMIT // 4:  # its size in bytes must fit in int64
+            raise ValueError(f"numel must be < 2**61 (its bytes in int64), got {numel}")
         self._arena = load_core().Arena(int(numel))
 
     @property
@@ -662,7 +674,9 @@ class _View:
     """DLPack producer for a slice of an :class:`Arena` (CPU)."""
 
     def __init__(self, arena: Any, offset: int, shape: tuple[int, ...]):
-        numel = int(np.prod(shape)) if shape else 1
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape must have non-negative dimensions, got {shape}")
+        numel = math.prod(shape)  # Python ints: no wrap, unlike np.prod's int64
         if offset < 0 or offset + numel > arena.numel:
             raise ValueError(
                 f"view [{offset}, {offset + numel}) lies outside the arena of {arena.numel}"
