@@ -25,6 +25,13 @@ extern "C" ga_status ga_arena_plan(const int64_t* numels, int64_t n,
       fail(kGaInvalidArgument, "bucket_numel", "bucket_numel must be >= 1");
     for (int64_t i = 0; i < n; ++i)
       if (numels[i] < 0) fail(kGaInvalidArgument, item("numels", i), "element counts must be >= 0");
+    // The arena's size, every count rounded up to the alignment, must fit in int64: checked
+    // here, before any output is written, so that the layout pass below cannot wrap.
+    int64_t size = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const std::string name = item("numels", i);
+      size = checked_add(size, checked_add(numels[i], align - 1, name) / align * align, name);
+    }
     int64_t pos = 0, bucket = 0, in_bucket = 0;
     bucket_start[0] = 0;
     for (int64_t k = 0; k < n; ++k) {
@@ -36,11 +43,9 @@ extern "C" ga_status ga_arena_plan(const int64_t* numels, int64_t n,
       }
       offsets[i] = pos;
       bucket_of[i] = bucket;
-      // numels[i] rounded up to the alignment, and the running totals, without wrapping.
-      const std::string name = item("numels", i);
-      const int64_t padded = checked_add(numels[i], align - 1, name) / align * align;
-      pos = checked_add(pos, padded, name);
-      in_bucket = checked_add(in_bucket, padded, name);
+      const int64_t padded = (numels[i] + align - 1) / align * align;  // checked above
+      pos += padded;
+      in_bucket += padded;
     }
     *num_buckets = n > 0 ? bucket + 1 : 0;
     bucket_start[*num_buckets] = pos;

@@ -84,10 +84,11 @@ const TorchFns* torch_fns(const py::object& obj) {
     return nullptr;
   if (fns.to_dlpack == nullptr) {
     py::module_ torch = py::module_::import("torch");
-    fns.is_neg = torch.attr("Tensor").attr("is_neg").release().ptr();
-    fns.is_inference = torch.attr("Tensor").attr("is_inference").release().ptr();
-    fns.inference_mode_enabled = torch.attr("is_inference_mode_enabled").release().ptr();
-    fns.to_dlpack = py::module_::import("torch.utils.dlpack").attr("to_dlpack").release().ptr();
+    auto keep = [](py::object o) { return o.release().ptr(); };
+    fns.is_neg = keep(torch.attr("Tensor").attr("is_neg"));
+    fns.is_inference = keep(torch.attr("Tensor").attr("is_inference"));
+    fns.inference_mode_enabled = keep(torch.attr("is_inference_mode_enabled"));
+    fns.to_dlpack = keep(py::module_::import("torch.utils.dlpack").attr("to_dlpack"));
   }
   return &fns;
 }

@@ -39,6 +39,9 @@ void SetRaw(E& field, int v) {
   std::memcpy(&field, &v, sizeof v);
 }
 
+/// ga_dtype_size of any int, called from C.
+inline size_t RawDtypeSize(int v) { return ga_test_dtype_size_raw(v); }
+
 // ---------------------------------------------------------------------------------------------
 // Tolerance table.
 //
