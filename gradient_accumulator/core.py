@@ -5,6 +5,12 @@ TensorFlow) and works on their memory in place; nothing is copied. Tensors must 
 lists must match in length and element counts. Bad input raises ``ValueError`` or ``TypeError``
 naming the argument, and leaves every buffer as it was.
 
+Outputs (accumulators, parameters, states, ``flat``/``dst``) must be writable by the caller:
+read-only arrays (the DLPack 1.x read-only flag), JAX arrays and TensorFlow tensors (immutable
+values for their users), torch inference tensors outside ``torch.inference_mode()`` and torch
+negative-bit views (``x._neg_view()``, ``x.conj().imag``) are refused with a ``ValueError``. As
+inputs, negative-bit views are read with their sign (through a resolved copy).
+
 CUDA: PyTorch CUDA tensors go to the CUDA kernels (when the build has them, see
 :func:`has_cuda`), enqueued on ``torch.cuda.current_stream()`` of their device. Nothing waits for
 the GPU: results that are Python numbers for CPU tensors (the non-finite flag, sums of squares,
@@ -23,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -57,6 +64,9 @@ Tensor = Any  # any object with __dlpack__, or a DLPack capsule
 
 _MODES = ("sum", "mean", "running_mean")
 _OPTIMIZERS = ("none", "sgd", "adam", "adamw")
+
+
+_INT64_LIMIT = 2**63
 
 
 class AccumulateResult(NamedTuple):
@@ -177,7 +187,9 @@ def accumulate(
     Args:
         accumulators: float32 (or float64) tensors, updated in place.
         grads: float32, bfloat16, float16 or float64 tensors with the same element counts.
-        weight: this micro-batch's weight (samples, tokens, or 1), finite and ≥ 0.
+        weight: this micro-batch's weight (samples, tokens, or 1), finite and ≥ 0. float32
+            accumulators are updated in float32, so there it must be 0 or a normal float32
+            (about 1.2e-38 to 3.4e38): anything else is refused rather than rounded to 0 or inf.
         mode: ``"sum"``, ``"mean"`` or ``"running_mean"``.
         weight_before: total weight already accumulated (``"running_mean"`` only).
         overwrite: replace instead of add.
@@ -356,7 +368,7 @@ def adaptive_clip(
 
     Args:
         params: the parameters (float32, bfloat16 or float16).
-        grads: their float32 gradients, clipped in place.
+        grads: their float32 gradients, clipped in place (float64 ones are clipped in float64).
         clip_factor: λ > 0.
         eps: ε ≥ 0, the floor of a unit's weight norm.
         layout: ``"leading"``, ``"trailing"`` or explicit ``(num_units, layout)`` per tensor.
@@ -411,17 +423,23 @@ def apply(
     Args:
         params: parameters updated in place (float32, bfloat16, float16); None for "none"
             without AGC.
-        accumulators: float32 accumulated gradients.
+        accumulators: float32 accumulated gradients, updated in float32; or float64 ones, for
+            which the whole update runs in float64 and rounds once to each stored dtype.
         optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"none"``.
         lr: learning rate.
-        grad_scale: factor applied to the accumulators before anything else.
+        grad_scale: factor applied to the accumulators before anything else. With float32
+            accumulators it, ``lr``, ``weight_decay``, ``momentum``, ``1 - dampening`` and
+            ``eps`` are used in float32 and must be 0 or normal float32 numbers (refused
+            otherwise).
         state1: SGD momentum buffers / Adam first moments (param dtype or float32).
         state2: Adam second moments.
         grads_out: destination of the final gradient for ``"none"``.
         max_norm: clip the global norm of the scaled gradient to this value.
         clip_coef: a one-element float32 tensor holding a precomputed clip coefficient.
         agc: adaptive gradient clipping with ``clip_factor``, ``agc_eps`` and ``layout``.
-        skip_nonfinite: check first; on NaN/Inf update nothing (and still reset).
+        skip_nonfinite: check first; if the gradient, or any value the update would store
+            (parameter, state, output gradient, in its own dtype), is NaN/Inf, update nothing
+            (and still reset). This costs one extra read-only pass.
         reset: zero the accumulators in the same pass.
         weight_decay, maximize, momentum, dampening, nesterov: as in ``torch.optim``.
         momentum_initialized: False on SGD's first step (buffer ← gradient).
@@ -572,7 +590,11 @@ def bn_update_running(
 
 
 def pack(src: Sequence[Tensor], flat: Tensor, *, scale: float = 1.0) -> None:
-    """Copy ``src`` end to end into ``flat`` (times ``scale``), converting dtypes."""
+    """Copy ``src`` end to end into ``flat`` (times ``scale``), converting dtypes.
+
+    The product is taken in float64 when either side is float64 or ``scale`` is not a normal
+    float32 number, so such a scale is never rounded to 0 or inf first.
+    """
     with _on_device(flat):
         load_core().pack(src, flat, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
 
@@ -623,6 +645,12 @@ def arena_plan(
         counts = [int(n) for n in numels]
     except TypeError as e:
         raise TypeError(f"numels must be a sequence of element counts: {e}") from None
+    for i, n in enumerate(counts):
+        if not 0 <= n < _INT64_LIMIT:
+            raise ValueError(f"numels[{i}] must be in [0, 2**63), got {n}")
+    for name, value in (("alignment", alignment), ("bucket_numel", bucket_numel)):
+        if not 0 < int(value) < _INT64_LIMIT:
+            raise ValueError(f"{name} must be in [1, 2**63), got {value!r}")
     offsets, bucket_of, bucket_start, total = load_core().arena_plan(
         counts, int(alignment), int(bucket_numel), bool(reverse)
     )
@@ -646,6 +674,8 @@ class Arena:
     def __init__(self, numel: int):
         if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if numel >= _INT64_LIMIT // 4:  # its size in bytes must fit in int64
+            raise ValueError(f"numel must be < 2**61 (its bytes in int64), got {numel}")
         self._arena = load_core().Arena(int(numel))
 
     @property
@@ -662,7 +692,9 @@ class _View:
     """DLPack producer for a slice of an :class:`Arena` (CPU)."""
 
     def __init__(self, arena: Any, offset: int, shape: tuple[int, ...]):
-        numel = int(np.prod(shape)) if shape else 1
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape must have non-negative dimensions, got {shape}")
+        numel = math.prod(shape)  # Python ints: no wrap, unlike np.prod's int64
         if offset < 0 or offset + numel > arena.numel:
             raise ValueError(
                 f"view [{offset}, {offset + numel}) lies outside the arena of {arena.numel}"

@@ -31,7 +31,7 @@ void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_lis
   if (!std::isfinite(w) || w < 0)
     fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
   double alpha = 1.0, beta = w;
-  switch (options->mode) {
+  switch (raw_enum(options->mode)) {  // any int may arrive from C: validate it as one
     case kGaAccumulateSum: break;
     case kGaAccumulateRunningMean: {
       const double before = options->overwrite ? 0.0 : options->weight_before;
@@ -45,6 +45,16 @@ void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_lis
       break;
     }
     default: fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
+  }
+  // float32 accumulators are updated with alpha and beta rounded to float32: a weight that
+  // rounds to ±inf or flushes towards 0 there would corrupt them silently.
+  bool any_fp32 = false;
+  for (int64_t i = 0; i < accumulators.size; ++i)
+    any_fp32 = any_fp32 || accumulators.tensors[i].dtype == kGaFloat32;
+  if (any_fp32) {
+    check_fits_float32(beta, "weight", "by float32 accumulators (pass float64 accumulators for "
+                       "wider weights)");
+    check_fits_float32(alpha, "weight_before", "by float32 accumulators");
   }
   std::vector<Range> written, read;
   add_ranges(written, accumulators, "accumulators");

@@ -28,7 +28,7 @@ void check_finite(double v, const char* name, double lo, bool lo_inclusive) {
 
 void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_tensors) {
   if (!std::isfinite(o.grad_scale)) fail(kGaInvalidArgument, "grad_scale", "grad_scale must be finite");
-  switch (o.clip) {
+  switch (raw_enum(o.clip)) {  // any int may arrive from C: validate it as one
     case kGaClipNone: break;
     case kGaClipGlobalNorm:
       if (!has_coef_ptr) check_finite(o.max_norm, "max_norm", 0.0, false);
@@ -41,7 +41,7 @@ void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_
       break;
     default: fail(kGaInvalidArgument, "clip", "unknown clip mode");
   }
-  switch (o.optimizer) {
+  switch (raw_enum(o.optimizer)) {
     case kGaOptimizerNone: return;
     case kGaOptimizerSGD:
       check_finite(o.momentum, "momentum", 0.0, true);
@@ -133,6 +133,25 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
     for (int64_t i = 0; i < t.accumulators.size; ++i)
       check_units(t.accumulators.tensors[i], o.units[i], item("units", i));
   }
+  // float32 accumulators are applied in float32 (float64 ones in double): every scalar that
+  // float kernel multiplies with must keep its value there, or the update would silently use
+  // 0 or ±inf in its place.
+  bool any_fp32 = false;
+  for (int64_t i = 0; i < t.accumulators.size; ++i)
+    any_fp32 = any_fp32 || t.accumulators.tensors[i].dtype == kGaFloat32;
+  if (any_fp32) {
+    const char* why = "by the float32 update of float32 accumulators";
+    check_fits_float32(o.grad_scale, "grad_scale", why);
+    if (update) {
+      check_fits_float32(o.lr, "lr", why);
+      check_fits_float32(o.weight_decay, "weight_decay", why);
+    }
+    if (o.optimizer == kGaOptimizerSGD) {
+      check_fits_float32(o.momentum, "momentum", why);
+      check_fits_float32(1.0 - o.dampening, "dampening", why);
+    }
+    if (adam) check_fits_float32(o.adam_eps, "eps", why);
+  }
   std::vector<Range> written, read;
   add_ranges(written, t.accumulators, acc_name);
   add_ranges(update ? written : read, params, param_name);
@@ -166,18 +185,25 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
                          : std::min(1.0, o.max_norm / (grad_norm + 1e-6));
     }
     std::vector<float> unit_scale;
+    std::vector<double> unit_scale64;
     std::vector<int64_t> unit_offset;
+    // An empty tensor may declare any number of units; it has nothing to scale.
+    auto units_of = [&](int64_t i) {
+      return t.accumulators.tensors[i].numel == 0 ? int64_t{0} : o.units[i].num_units;
+    };
     if (agc && !skip) {
       int64_t total = 0;
       unit_offset.resize(static_cast<size_t>(t.accumulators.size));
       for (int64_t i = 0; i < t.accumulators.size; ++i) {
         unit_offset[i] = total;
-        total += o.units[i].num_units;
+        total = checked_add(total, units_of(i), item("units", i));
       }
       unit_scale.resize(static_cast<size_t>(total));
+      unit_scale64.resize(static_cast<size_t>(total));
       std::vector<double> ps, gs;
       for (int64_t i = 0; i < t.accumulators.size; ++i) {
-        const int64_t nu = o.units[i].num_units;
+        const int64_t nu = units_of(i);
+        if (nu == 0) continue;
         ps.assign(nu, 0.0);
         gs.assign(nu, 0.0);
         cpu_kernels().unit_sumsq(UnitSumsqArgs{t.params.tensors[i], o.units[i], ps.data()});
@@ -189,8 +215,31 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
           const double max_norm = pn * o.clip_factor;
           const double c = gn > max_norm ? max_norm / std::max(gn, 1e-6) : 1.0;
           unit_scale[unit_offset[i] + u] = static_cast<float>(scale * c);
+          unit_scale64[unit_offset[i] + u] = scale * c;
         }
       }
+    }
+    static thread_local std::vector<Chunk> chunks;
+    make_chunks(t.accumulators, chunks);
+    ApplyArgs a{&t,
+                &o,
+                static_cast<float>(scale * coef),
+                agc ? unit_scale.data() : nullptr,
+                agc ? unit_offset.data() : nullptr,
+                chunks.data(),
+                static_cast<int64_t>(chunks.size())};
+    a.grad_scale64 = scale * coef;
+    a.unit_scale64 = agc ? unit_scale64.data() : nullptr;
+    if (o.skip_nonfinite && !skip && !chunks.empty()) {
+      // A finite gradient can still give a non-finite result (an overflowing product, Adam's
+      // g², a float16 state out of range): compute every value the update would store, store
+      // none, and skip the whole call if one is not finite.
+      static thread_local std::vector<uint8_t> bad;
+      bad.assign(chunks.size(), 0);
+      a.chunk_nonfinite = bad.data();
+      cpu_kernels().apply(a);
+      a.chunk_nonfinite = nullptr;
+      for (uint8_t b : bad) skip = skip || b != 0;
     }
     if (result) {
       result->skipped = skip ? 1 : 0;
@@ -202,15 +251,6 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
         for (int64_t i = 0; i < t.accumulators.size; ++i) cpu_kernels().zero(t.accumulators.tensors[i]);
       return;
     }
-    static thread_local std::vector<Chunk> chunks;
-    make_chunks(t.accumulators, chunks);
-    ApplyArgs a{&t,
-                &o,
-                static_cast<float>(scale * coef),
-                agc ? unit_scale.data() : nullptr,
-                agc ? unit_offset.data() : nullptr,
-                chunks.data(),
-                static_cast<int64_t>(chunks.size())};
     if (!chunks.empty()) cpu_kernels().apply(a);
   });
 }

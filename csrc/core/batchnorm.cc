@@ -45,10 +45,11 @@ extern "C" ga_status ga_bn_moments(ga_tensor x, int64_t outer, int64_t channels,
     check_tensor(x, "x");
     if (outer < 0 || channels < 1 || inner < 0)
       fail(kGaInvalidArgument, "channels", "outer, channels and inner must be >= 0 (channels >= 1)");
-    if (outer * channels * inner != x.numel)
+    const int64_t expected = checked_mul(checked_mul(outer, channels, "channels"), inner, "inner");
+    if (expected != x.numel)
       fail(kGaInvalidArgument, "x",
            "x has " + std::to_string(x.numel) + " elements, not outer*channels*inner = " +
-               std::to_string(outer * channels * inner));
+               std::to_string(expected));
     if (x.device_type != kGaCPU) fail(kGaTypeError, "x", "x must be a CPU tensor");
     check_stats({{&mean, "mean"}, {&m2, "m2"}}, channels);
     std::vector<Range> w, r;

@@ -25,6 +25,13 @@ extern "C" ga_status ga_arena_plan(const int64_t* numels, int64_t n,
       fail(kGaInvalidArgument, "bucket_numel", "bucket_numel must be >= 1");
     for (int64_t i = 0; i < n; ++i)
       if (numels[i] < 0) fail(kGaInvalidArgument, item("numels", i), "element counts must be >= 0");
+    // The arena's size, every count rounded up to the alignment, must fit in int64: checked
+    // here, before any output is written, so that the layout pass below cannot wrap.
+    int64_t size = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const std::string name = item("numels", i);
+      size = checked_add(size, checked_add(numels[i], align - 1, name) / align * align, name);
+    }
     int64_t pos = 0, bucket = 0, in_bucket = 0;
     bucket_start[0] = 0;
     for (int64_t k = 0; k < n; ++k) {
@@ -36,7 +43,7 @@ extern "C" ga_status ga_arena_plan(const int64_t* numels, int64_t n,
       }
       offsets[i] = pos;
       bucket_of[i] = bucket;
-      const int64_t padded = (numels[i] + align - 1) / align * align;
+      const int64_t padded = (numels[i] + align - 1) / align * align;  // checked above
       pos += padded;
       in_bucket += padded;
     }
@@ -51,16 +58,18 @@ extern "C" ga_status ga_arena_alloc(int64_t numel, ga_device_type device_type, i
   return guarded([&] {
     if (data == nullptr) fail(kGaInvalidArgument, "data", "data is null");
     if (numel < 0) fail(kGaInvalidArgument, "numel", "numel must be >= 0");
-    if (device_type == kGaCUDA) {
+    const int64_t device = raw_enum(device_type);  // any int may arrive from C
+    if (device == kGaCUDA) {
       // On a GPU the framework owns the accumulators' memory (its caching allocator and
       // streams): allocate them there, e.g. torch.zeros(..., device="cuda").
       fail(kGaUnsupported, "device",
            "the arena is host memory; allocate CUDA accumulators with the framework");
     }
-    if (device_type != kGaCPU) fail(kGaTypeError, "device", "unknown device");
+    if (device != kGaCPU) fail(kGaTypeError, "device", "unknown device");
     (void)device_id;
-    size_t bytes = static_cast<size_t>(numel) * sizeof(float);
-    bytes = (bytes + 63) / 64 * 64;
+    // numel·4 rounded up to 64 bytes must not wrap (a wrapped size would allocate too little).
+    const int64_t exact = checked_mul(numel, static_cast<int64_t>(sizeof(float)), "numel");
+    size_t bytes = static_cast<size_t>(checked_add(exact, 63, "numel")) / 64 * 64;
     if (bytes == 0) bytes = 64;
     void* p = std::aligned_alloc(64, bytes);
     if (p == nullptr) fail(kGaRuntimeError, "numel", "out of host memory for the arena");

@@ -1,5 +1,6 @@
 // Error state, argument checks and CPU kernel dispatch shared by every op family.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -32,23 +33,43 @@ void clear_last_error() {
 }
 
 const char* dtype_name(ga_dtype dtype) {
-  switch (dtype) {
+  switch (raw_enum(dtype)) {
     case kGaFloat32: return "float32";
     case kGaFloat16: return "float16";
     case kGaBFloat16: return "bfloat16";
     case kGaFloat64: return "float64";
+    default: return "unknown";
   }
-  return "unknown";
+}
+
+std::string format_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+void check_fits_float32(double v, const std::string& name, const char* why) {
+  if (!fits_float32(v))
+    fail(kGaInvalidArgument, name,
+         name + " = " + format_double(v) + " is not representable as a normal float32 (0 or "
+         "1.18e-38 <= |x| <= 3.4e38), the precision it is used in " + why);
 }
 
 void check_tensor(const ga_tensor& t, const std::string& name) {
-  if (ga_dtype_size(t.dtype) == 0) fail(kGaTypeError, name, name + " has an unknown dtype");
+  const int64_t dtype = raw_enum(t.dtype), device = raw_enum(t.device_type);
+  if (dtype < kGaFloat32 || dtype > kGaFloat64)
+    fail(kGaTypeError, name, name + " has an unknown dtype (" + std::to_string(dtype) + ")");
   if (t.numel < 0) fail(kGaInvalidArgument, name, name + " has a negative element count");
   if (t.numel > 0 && t.data == nullptr) fail(kGaInvalidArgument, name, name + " has no data");
-  if (t.device_type != kGaCPU && t.device_type != kGaCUDA)
-    fail(kGaTypeError, name, name + " is on an unknown device");
-  if (t.numel > 0 && reinterpret_cast<uintptr_t>(t.data) % ga_dtype_size(t.dtype) != 0)
+  if (device != kGaCPU && device != kGaCUDA)
+    fail(kGaTypeError, name, name + " is on an unknown device (" + std::to_string(device) + ")");
+  const int64_t size = static_cast<int64_t>(ga_dtype_size(t.dtype));
+  if (t.numel > 0 && reinterpret_cast<uintptr_t>(t.data) % size != 0)
     fail(kGaInvalidArgument, name, name + " is not aligned to its element size");
+  // Its byte range must be addressable: no wrap in numel·size or in data + bytes.
+  const int64_t bytes = checked_mul(t.numel, size, name);
+  if (reinterpret_cast<uintptr_t>(t.data) > UINTPTR_MAX - static_cast<uintptr_t>(bytes))
+    fail(kGaInvalidArgument, name, name + " extends past the end of the address space");
 }
 
 void check_list(const ga_tensor_list& list, const std::string& name) {
@@ -197,13 +218,13 @@ const char* ga_last_error(void) { return ga::detail::g_message.c_str(); }
 const char* ga_last_error_argument(void) { return ga::detail::g_argument.c_str(); }
 
 size_t ga_dtype_size(ga_dtype dtype) {
-  switch (dtype) {
+  switch (ga::detail::raw_enum(dtype)) {  // any int may arrive from C: read it as one
     case kGaFloat32: return 4;
     case kGaFloat16: return 2;
     case kGaBFloat16: return 2;
     case kGaFloat64: return 8;
+    default: return 0;
   }
-  return 0;
 }
 
 const char* ga_version(void) { return GA_VERSION_STRING; }

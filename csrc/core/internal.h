@@ -3,7 +3,10 @@
 #define GRADIENT_ACCUMULATOR_CORE_INTERNAL_H_
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <limits>
+#include <type_traits>
 #include <new>
 #include <sstream>
 #include <string>
@@ -52,6 +55,45 @@ ga_status guarded(F&& body) noexcept {
 }
 
 const char* dtype_name(ga_dtype dtype);
+
+/// The integer stored in an enum field or argument, read as its underlying type. A C caller may
+/// store any int there, but loading a C++ enum whose value lies outside its enumerators' range
+/// is undefined, so every enum that comes from a caller is read this way and validated first.
+template <typename E>
+inline int64_t raw_enum(const E& value) {
+  static_assert(std::is_enum_v<E>, "raw_enum reads enums");
+  std::underlying_type_t<E> v;
+  std::memcpy(&v, &value, sizeof v);
+  return static_cast<int64_t>(v);
+}
+
+/// a·b and a + b for sizes and counts (both ≥ 0): fails naming `name` instead of wrapping.
+inline int64_t checked_mul(int64_t a, int64_t b, const std::string& name) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r))
+    fail(kGaInvalidArgument, name,
+         name + ": " + std::to_string(a) + " * " + std::to_string(b) + " overflows int64");
+  return r;
+}
+inline int64_t checked_add(int64_t a, int64_t b, const std::string& name) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r))
+    fail(kGaInvalidArgument, name,
+         name + ": " + std::to_string(a) + " + " + std::to_string(b) + " overflows int64");
+  return r;
+}
+
+/// Whether a double survives the conversion to float32 as a usable factor: zero, or a finite
+/// normal float32 (a smaller one would flush towards 0, a larger one become ±inf).
+inline bool fits_float32(double v) {
+  const double a = v < 0 ? -v : v;
+  return a == 0.0 || (a >= static_cast<double>(std::numeric_limits<float>::min()) &&
+                      a <= static_cast<double>(std::numeric_limits<float>::max()));
+}
+/// "%.6g" of v, for messages.
+std::string format_double(double v);
+/// Fails naming `name` unless `v` fits_float32: for scalars the float32 kernels multiply with.
+void check_fits_float32(double v, const std::string& name, const char* why);
 
 /// "list[i]": built for every tensor a call checks, so no ostream (locale look-ups per call).
 inline std::string item(const std::string& list, int64_t i) {
@@ -185,6 +227,10 @@ struct ApplyArgs {
   const int64_t* unit_offset;   // AGC: index of tensor i's first unit in unit_scale
   const Chunk* chunks;
   int64_t num_chunks;
+  double grad_scale64 = 1.0;             // the same unrounded, for float64 accumulators
+  const double* unit_scale64 = nullptr;  // the same unrounded (AGC)
+  uint8_t* chunk_nonfinite = nullptr;    // set: dry run, write nothing, flag per chunk whether
+                                         // any value the update would store is not finite
 };
 
 struct BnMomentsArgs {

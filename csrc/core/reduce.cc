@@ -16,12 +16,15 @@ void validate_flat(const ga_tensor_list& list, const char* list_name, const ga_t
   check_tensor(flat, "flat");
   if (!std::isfinite(scale)) fail(kGaInvalidArgument, "scale", "scale must be finite");
   int64_t total = 0;
-  for (int64_t i = 0; i < list.size; ++i) total += list.tensors[i].numel;
+  for (int64_t i = 0; i < list.size; ++i)
+    total = checked_add(total, list.tensors[i].numel, item(list_name, i));
   if (flat.numel < total)
     fail(kGaInvalidArgument, "flat",
          "flat has " + std::to_string(flat.numel) + " elements but the tensors need " +
              std::to_string(total));
   if (device == kGaCUDA) {
+    // The CUDA copy multiplies in float32 (the CPU one switches to double for such a scale).
+    check_fits_float32(scale, "scale", "by the CUDA copy kernels");
     int32_t id = -1;
     check_all_cuda({{&list, list_name}}, &id);
     check_cuda(flat, "flat", &id);

@@ -37,8 +37,14 @@ TensorRef from_dltensor(const DLTensor& t, const std::string& name, bool read_on
   }
   ref.desc.device_id = ref.desc.device_type == kGaCPU ? 0 : t.device.device_id;
   int64_t numel = 1;
+  if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr))
+    throw py::value_error(name + " has an invalid DLPack shape");
   ref.shape.assign(t.shape, t.shape + t.ndim);
-  for (int64_t d : ref.shape) numel *= d;
+  for (int64_t d : ref.shape) {
+    if (d < 0) throw py::value_error(name + " has a negative dimension");
+    if (__builtin_mul_overflow(numel, d, &numel))
+      throw py::value_error(name + ": its element count overflows int64");
+  }
   if (t.strides != nullptr && numel > 1) {
     int64_t expected = 1;
     for (int32_t d = t.ndim - 1; d >= 0; --d) {
@@ -57,21 +63,56 @@ TensorRef from_dltensor(const DLTensor& t, const std::string& name, bool read_on
 
 namespace {
 
-/// torch's C-level DLPack exporter when ``obj`` is a torch tensor, else nullptr. Looked up once,
-/// from the torch module the tensor came from, so nothing here needs torch to be installed.
-PyObject* torch_exporter(const py::object& obj) {
-  static PyObject* exporter = nullptr;  // leaked on purpose: outlives the interpreter's teardown
+/// torch functions the import needs, looked up once (leaked on purpose: they outlive the
+/// interpreter's teardown).
+struct TorchFns {
+  PyObject* to_dlpack = nullptr;     // torch's C-level DLPack exporter
+  PyObject* is_neg = nullptr;        // torch.Tensor.is_neg, unbound
+  PyObject* is_inference = nullptr;  // torch.Tensor.is_inference, unbound
+  PyObject* inference_mode_enabled = nullptr;
+};
+
+/// The torch functions when ``obj`` is a torch tensor, else nullptr. Looked up from the torch
+/// module the tensor came from, so nothing here needs torch to be installed.
+const TorchFns* torch_fns(const py::object& obj) {
+  static TorchFns fns;
   PyTypeObject* type = Py_TYPE(obj.ptr());
   const char* tp = type->tp_name;
   if (std::strcmp(tp, "Tensor") != 0 && std::strcmp(tp, "Parameter") != 0) return nullptr;
   py::object module = py::getattr(reinterpret_cast<PyObject*>(type), "__module__", py::none());
   if (module.is_none() || py::str(module).cast<std::string>().rfind("torch", 0) != 0)
     return nullptr;
-  if (exporter == nullptr) {
-    py::object fn = py::module_::import("torch.utils.dlpack").attr("to_dlpack");
-    exporter = fn.release().ptr();
+  if (fns.to_dlpack == nullptr) {
+    py::module_ torch = py::module_::import("torch");
+    auto keep = [](py::object o) { return o.release().ptr(); };
+    fns.is_neg = keep(torch.attr("Tensor").attr("is_neg"));
+    fns.is_inference = keep(torch.attr("Tensor").attr("is_inference"));
+    fns.inference_mode_enabled = keep(torch.attr("is_inference_mode_enabled"));
+    fns.to_dlpack = keep(py::module_::import("torch.utils.dlpack").attr("to_dlpack"));
   }
-  return exporter;
+  return &fns;
+}
+
+bool call_flag(PyObject* fn, PyObject* arg) {
+  PyObject* r = arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
+  if (r == nullptr) throw py::error_already_set();
+  const int truth = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  if (truth < 0) throw py::error_already_set();
+  return truth != 0;
+}
+
+/// Frameworks whose arrays are immutable values for their users: JAX arrays and TensorFlow
+/// tensors and variables. Writing through their DLPack buffer would change a value that other
+/// references (and TensorFlow's own copy-on-write bookkeeping) take as fixed.
+const char* immutable_framework(py::handle obj) {
+  py::object module =
+      py::getattr(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())), "__module__", py::none());
+  if (module.is_none()) return nullptr;
+  const std::string m = py::str(module).cast<std::string>();
+  if (m.rfind("jax", 0) == 0) return "a JAX array";
+  if (m.rfind("tensorflow", 0) == 0 || m.rfind("tf_keras", 0) == 0) return "a TensorFlow tensor";
+  return nullptr;
 }
 
 }  // namespace
@@ -86,13 +127,34 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
     if (!py::hasattr(src, "__dlpack__"))
       throw py::type_error(name + " of type " + std::string(py::str(py::type::of(obj).attr("__name__"))) +
                            " does not support DLPack; pass a numpy, torch, jax or tensorflow tensor");
+    const TorchFns* torch = torch_fns(src);
+    if (torch != nullptr) {
+      // DLPack has no negative bit: torch exports a _neg_view() (or x.conj().imag) with the
+      // un-negated memory. Read one through a resolved copy; never write one.
+      if (call_flag(torch->is_neg, src.ptr())) {
+        if (writable)
+          throw py::value_error(name + " is a negative-bit view (e.g. x._neg_view() or "
+                                "x.conj().imag) and is written to; pass x.resolve_neg()");
+        src = src.attr("resolve_neg")();
+      }
+      // torch forbids in-place updates of inference tensors outside inference mode.
+      if (writable && call_flag(torch->is_inference, src.ptr()) &&
+          !call_flag(torch->inference_mode_enabled, nullptr))
+        throw py::value_error(name + " is an inference-mode tensor, which torch allows no "
+                              "in-place update of outside torch.inference_mode(); it is written "
+                              "to here (clone it first)");
+    } else if (writable) {
+      if (const char* kind = immutable_framework(src))
+        throw py::value_error(name + " is " + kind + ", which is immutable, but is written to "
+                              "here; pass a mutable buffer (e.g. a NumPy array or torch tensor)");
+    }
     // torch refuses to export tensors that require grad; their storage is what we want.
     if (py::hasattr(src, "requires_grad") && py::bool_(src.attr("requires_grad")))
       src = src.attr("detach")();
     // torch.Tensor.__dlpack__ is Python code that costs several microseconds per tensor, which
     // dominates calls on many small tensors; torch's C-level exporter does the same in a tenth.
-    if (PyObject* to_dlpack = torch_exporter(src)) {
-      PyObject* cap = PyObject_CallOneArg(to_dlpack, src.ptr());
+    if (torch != nullptr) {
+      PyObject* cap = PyObject_CallOneArg(torch->to_dlpack, src.ptr());
       if (cap == nullptr) throw py::error_already_set();
       cap_obj = py::reinterpret_steal<py::object>(cap);
     } else {
@@ -192,9 +254,11 @@ py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t of
   int64_t numel = 1;
   for (int64_t d : shape) {
     if (d < 0) throw py::value_error("shape has a negative dimension");
-    numel *= d;
+    if (__builtin_mul_overflow(numel, d, &numel))
+      throw py::value_error("shape: its element count overflows int64");
   }
-  if (offset < 0 || offset + numel > storage->numel)
+  // offset <= arena - numel cannot wrap (both sides are >= 0 and <= the arena's size).
+  if (offset < 0 || numel > storage->numel || offset > storage->numel - numel)
     throw py::value_error("the view [offset, offset + numel) lies outside the arena");
   auto ctx = std::make_unique<ViewContext>();
   ctx->storage = storage;

@@ -382,7 +382,8 @@ TEST_F(AccumulateBadInput, Options) {
   }
   const ga_accumulate_options zero_total = Options(kGaAccumulateRunningMean, 0.0, 0.0, 0);
   ExpectFail(&zero_total, kGaInvalidArgument, {"weight"});
-  const ga_accumulate_options bad_mode = Options(static_cast<ga_accumulate_mode>(7), 1.0, 0.0, 0);
+  ga_accumulate_options bad_mode = Options(kGaAccumulateSum, 1.0, 0.0, 0);
+  SetRaw(bad_mode.mode, 7);
   ExpectFail(&bad_mode, kGaInvalidArgument, {"mode"});
 }
 
@@ -410,14 +411,14 @@ TEST_F(AccumulateBadInput, Dtypes) {
   ExpectFail(&ok_, kGaTypeError, {"accumulators[1]"});
   acc_.desc(0).dtype = kGaFloat16;
   ExpectFail(&ok_, kGaTypeError, {"accumulators[0]"});
-  grads_.desc(2).dtype = static_cast<ga_dtype>(11);
+  SetRaw(grads_.desc(2).dtype, 11);
   ExpectFail(&ok_, kGaTypeError, {"grads[2]"});
 }
 
 TEST_F(AccumulateBadInput, Devices) {
   grads_.desc(1).device_type = kGaCUDA;
   ExpectFail(&ok_, UnsupportedOrTypeError(), {"grads[1]"});
-  acc_.desc(0).device_type = static_cast<ga_device_type>(4);
+  SetRaw(acc_.desc(0).device_type, 4);
   ExpectFail(&ok_, kGaTypeError, {"accumulators[0]"});
 }
 

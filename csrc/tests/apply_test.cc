@@ -839,8 +839,8 @@ TEST_F(ApplyBadInput, HyperParameters) {
          o.clip_factor = 0.01;
          o.units = nullptr;
        }},
-      {"clip", [](ga_apply_options& o) { o.clip = static_cast<ga_clip_mode>(9); }},
-      {"optimizer", [](ga_apply_options& o) { o.optimizer = static_cast<ga_optimizer>(9); }},
+      {"clip", [](ga_apply_options& o) { SetRaw(o.clip, 9); }},
+      {"optimizer", [](ga_apply_options& o) { SetRaw(o.optimizer, 9); }},
       {"nesterov",
        [](ga_apply_options& o) {
          o.optimizer = kGaOptimizerSGD;
@@ -942,7 +942,7 @@ TEST_F(ApplyBadInput, Dtypes) {
   ExpectFail(&adam_, kGaTypeError, {"state1[2]"});
   b_.state2.desc(0).dtype = kGaBFloat16;  // differs from state1 (fp32) and from state2[1]
   ExpectFail(&adam_, kGaTypeError, {"state2[0]", "state2[1]"});
-  b_.out.desc(0).dtype = static_cast<ga_dtype>(5);
+  SetRaw(b_.out.desc(0).dtype, 5);
   ga_apply_options none = adam_;
   none.optimizer = kGaOptimizerNone;
   ExpectFail(&none, kGaTypeError, {"grads_out[0]"});

@@ -322,7 +322,7 @@ TEST(BnBadInput, Moments) {
   bad.dtype = kGaBFloat16;
   expect_fail(x.desc(), 4, 3, 5, mean.desc(), bad, kGaTypeError, {"m2"});
   bad = x.desc();
-  bad.dtype = static_cast<ga_dtype>(4);
+  SetRaw(bad.dtype, 4);
   expect_fail(bad, 4, 3, 5, mean.desc(), m2.desc(), kGaTypeError, {"x"});
   bad = x.desc();
   bad.numel = -60;

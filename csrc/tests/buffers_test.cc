@@ -222,7 +222,7 @@ TEST(ArenaAlloc, BadInput) {
   EXPECT_TRUE(FailsWith(ga_arena_alloc(-1, kGaCPU, 0, &data), kGaInvalidArgument, {"numel"}));
   EXPECT_EQ(data, sentinel);
   EXPECT_TRUE(FailsWith(ga_arena_alloc(8, kGaCPU, 0, nullptr), kGaInvalidArgument, {"data"}));
-  EXPECT_TRUE(FailsWith(ga_arena_alloc(8, static_cast<ga_device_type>(7), 0, &data), kGaTypeError,
+  EXPECT_TRUE(FailsWith(ga_test_arena_alloc_raw(8, 7, &data), kGaTypeError,
                         {"device"}));
   EXPECT_EQ(data, sentinel);
   if (!ga_has_cuda()) {
@@ -265,7 +265,7 @@ TEST(Zero, BadInputWritesNothing) {
   };
   l.desc(1).numel = -1;
   expect_fail(l.list(), kGaInvalidArgument, {"tensors[1]"});
-  l.desc(2).dtype = static_cast<ga_dtype>(9);
+  SetRaw(l.desc(2).dtype, 9);
   expect_fail(l.list(), kGaTypeError, {"tensors[2]"});
   l.desc(2).data = nullptr;
   expect_fail(l.list(), kGaInvalidArgument, {"tensors[2]"});
@@ -280,7 +280,7 @@ TEST(Zero, BadInputWritesNothing) {
     l.desc(1).device_type = kGaCUDA;
     expect_fail(l.list(), kGaUnsupported, {"tensors[1]"});
   }
-  l.desc(1).device_type = static_cast<ga_device_type>(5);
+  SetRaw(l.desc(1).device_type, 5);
   expect_fail(l.list(), kGaTypeError, {"tensors[1]"});
 }
 

@@ -122,7 +122,7 @@ TEST(SumOfSquares, BadInput) {
   l.desc(1).numel = -1;
   EXPECT_TRUE(FailsWith(ga_sum_of_squares(l.list(), &s), kGaInvalidArgument, {"tensors[1]"}));
   l.Rebuild();
-  l.desc(0).dtype = static_cast<ga_dtype>(8);
+  SetRaw(l.desc(0).dtype, 8);
   EXPECT_TRUE(FailsWith(ga_sum_of_squares(l.list(), &s), kGaTypeError, {"tensors[0]"}));
   l.Rebuild();
   EXPECT_TRUE(FailsWith(ga_sum_of_squares({nullptr, 2}, &s), kGaInvalidArgument, {"tensors"}));
@@ -231,8 +231,9 @@ TEST(UnitwiseNorm, BadInputWritesNothing) {
   expect_fail(x.desc(), {5, kGaUnitsLeading}, norms.desc(), kGaInvalidArgument, {"units"});
   expect_fail(x.desc(), {0, kGaUnitsLeading}, norms.desc(), kGaInvalidArgument, {"units"});
   expect_fail(x.desc(), {-3, kGaUnitsTrailing}, norms.desc(), kGaInvalidArgument, {"units"});
-  expect_fail(x.desc(), {3, static_cast<ga_unit_layout>(9)}, norms.desc(), kGaInvalidArgument,
-              {"units"});
+  ga_units bad_layout{3, kGaUnitsLeading};
+  SetRaw(bad_layout.layout, 9);
+  expect_fail(x.desc(), bad_layout, norms.desc(), kGaInvalidArgument, {"units"});
   expect_fail(x.desc(), {4, kGaUnitsLeading}, norms.desc(), kGaInvalidArgument, {"norms"});
   ga_tensor bad = norms.desc();
   bad.dtype = kGaBFloat16;
@@ -241,7 +242,7 @@ TEST(UnitwiseNorm, BadInputWritesNothing) {
   bad.numel = -12;
   expect_fail(bad, ok, norms.desc(), kGaInvalidArgument, {"tensor"});
   bad = x.desc();
-  bad.dtype = static_cast<ga_dtype>(6);
+  SetRaw(bad.dtype, 6);
   expect_fail(bad, ok, norms.desc(), kGaTypeError, {"tensor"});
   // norms inside the tensor's memory.
   const ga_tensor inside{x.at(4), 3, kGaFloat32, kGaCPU, 0};
@@ -402,7 +403,7 @@ TEST_F(AdaptiveClipBadInput, Units) {
   bad[0] = {0, kGaUnitsLeading};
   ExpectFail(kGaInvalidArgument, {"units[0]"}, bad.data());
   bad = units_;
-  bad[1].layout = static_cast<ga_unit_layout>(3);
+  SetRaw(bad[1].layout, 3);
   ExpectFail(kGaInvalidArgument, {"units[1]"}, bad.data());
 }
 

@@ -288,12 +288,12 @@ TEST_F(ReduceBadInput, Descriptors) {
     const char* name = pack ? "src" : "dst";
     list_.desc(1).numel = -3;
     ExpectFail(pack, kGaInvalidArgument, {std::string(name) + "[1]"});
-    list_.desc(2).dtype = static_cast<ga_dtype>(7);
+    SetRaw(list_.desc(2).dtype, 7);
     ExpectFail(pack, kGaTypeError, {std::string(name) + "[2]"});
     list_.desc(0).data = nullptr;
     ExpectFail(pack, kGaInvalidArgument, {std::string(name) + "[0]"});
     ga_tensor bad_flat = flat_.desc();
-    bad_flat.dtype = static_cast<ga_dtype>(-1);
+    SetRaw(bad_flat.dtype, -1);
     ExpectFail(pack, kGaTypeError, {"flat"}, 1.0, &bad_flat);
     bad_flat = flat_.desc();
     bad_flat.data = static_cast<uint8_t*>(flat_.data()) + 1;

@@ -16,12 +16,31 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gradient_accumulator/gradient_accumulator.h"
 
+extern "C" {
+// Defined in c_abi.c: calls made from C, where any int converts to an enum type, so the tests can
+// pass out-of-range values to by-value enum parameters as a C caller may.
+size_t ga_test_dtype_size_raw(int dtype);
+ga_status ga_test_arena_alloc_raw(int64_t numel, int device_type, void** data);
+}
+
 namespace ga_test {
+
+/// Store the int `v` in an enum field as a C caller may: through its bytes, never by forming
+/// an out-of-range value of the C++ enum type (undefined behaviour).
+template <typename E>
+void SetRaw(E& field, int v) {
+  static_assert(std::is_enum_v<E> && sizeof(E) == sizeof(int), "an int-sized enum field");
+  std::memcpy(&field, &v, sizeof v);
+}
+
+/// ga_dtype_size of any int, called from C.
+inline size_t RawDtypeSize(int v) { return ga_test_dtype_size_raw(v); }
 
 // ---------------------------------------------------------------------------------------------
 // Tolerance table.
