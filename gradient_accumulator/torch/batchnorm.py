@@ -30,6 +30,11 @@ __all__ = [
 ]
 
 _ACCUM_BUFFERS = ("accum_count", "accum_mean", "accum_m2", "accum_step")
+_COMPILE_REASON = (
+    "AccumBatchNorm keeps its cycle bookkeeping (moment merge, micro-step counter, running-"
+    "statistics update) outside the compiled graph; compile the model without fullgraph=True "
+    "(the layer's normalisation itself is compiled)"
+)
 
 
 class _AccumBatchNormMixin:
@@ -72,6 +77,11 @@ class _AccumBatchNormMixin:
             self._accumulate_moments(input.detach())
         return out
 
+    # Host-side cycle bookkeeping (the core's moment merge, the micro-step counter, the once-per-
+    # cycle running-statistics update) stays out of torch.compile's graph on purpose: traced, the
+    # in-place counter update is dropped and the running statistics never move. Under compile
+    # the forward breaks the graph here and runs this part eagerly.
+    @torch.compiler.disable(reason=_COMPILE_REASON)
     @torch.no_grad()
     def _accumulate_moments(self, x: torch.Tensor) -> None:
         if self.accum_mean.dtype != torch.float64:  # e.g. after model.half()
