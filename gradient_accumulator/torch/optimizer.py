@@ -87,6 +87,25 @@ _PROXIED_ATTRIBUTES = (
 )
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The GradientAccumulateOptimizer behind a framework's optimizer proxy, else ``optimizer``.
+
+    Follows Lightning's ``LightningOptimizer`` (``_optimizer``) and accelerate's
+    ``AcceleratedOptimizer`` (``optimizer``), so that state set on the result reaches the real
+    wrapper and not a copy on the proxy.
+    """
+    for _ in range(8):
+        if isinstance(optimizer, GradientAccumulateOptimizer) and not _is_lightning_proxy(
+            type(optimizer)
+        ):
+            return optimizer
+        inner = vars(optimizer).get("_optimizer", vars(optimizer).get("optimizer"))
+        if inner is None:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
 def _forward_attribute(name: str) -> property:
     def get(self: Any) -> Any:
         return getattr(self._optimizer, name)
