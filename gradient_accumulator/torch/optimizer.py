@@ -134,8 +134,11 @@ def _install_lightning_forwarding(cls: type) -> None:
     ``step()`` only counts as a Lightning optimizer step (``global_step``, step hooks) when it
     ends a cycle; ``flush()`` counts when it applies an update.
     """
-    proxy_bases = [b for b in cls.__mro__ if not issubclass(b, GradientAccumulateOptimizer)]
-    own = {n for b in proxy_bases if b is not object for n in vars(b)}
+    # Names the proxy's own classes define (before ours in the MRO) stay theirs.
+    mro = cls.__mro__
+    proxy_bases = [b for b in mro[: mro.index(GradientAccumulateOptimizer)]
+                   if not issubclass(b, GradientAccumulateOptimizer)]
+    own = {n for b in proxy_bases for n in vars(b)}
     names = {n for n in vars(GradientAccumulateOptimizer) if not n.startswith("_")}
     for name in sorted(names - own - {"step", "flush"}):
         value = vars(GradientAccumulateOptimizer)[name]
