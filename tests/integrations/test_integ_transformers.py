@@ -153,3 +153,39 @@ def test_target_tokens_counts_shifted_labels():
     labels = torch.tensor([[5, 6, 7, -100], [1, -100, -100, -100]])
     assert target_tokens(labels, True) == 2
     assert target_tokens(labels, False) == 4
+
+
+def test_bf16_model_accumulates_in_fp32_like_the_hand_loop(tmp_path):
+    """A bf16 GPT-2 through the Trainer: fp32 accumulators, and the very same weights as the
+    wrapper driven by hand with token weights (same micro-batches, schedule and short cycle)."""
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+    args = _args(tmp_path, num_train_epochs=1)
+    ours = OursInOrder(model=_model().to(torch.bfloat16), args=args, train_dataset=_Data(),
+                       data_collator=collate)
+    ours.train()
+    assert ours.state.global_step == 4
+    assert all(a.dtype == torch.float32 for a in ours.accumulator.accumulators())
+
+    model = _model().to(torch.bfloat16)
+    names = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    inner = torch.optim.AdamW(
+        [{"params": [p for n, p in model.named_parameters() if n in names],
+          "weight_decay": WD},
+         {"params": [p for n, p in model.named_parameters() if n not in names],
+          "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.999), eps=1e-8,
+    )
+    opt = GradientAccumulateOptimizer(inner, K, max_grad_norm=CLIP)
+    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, 4)
+    data = _Data()
+    for i in range(0, len(data), B):
+        batch = collate([data[j] for j in range(i, min(i + B, len(data)))])
+        model(**batch).loss.backward()
+        opt.step(weight=target_tokens(batch["labels"], True))
+        opt.zero_grad()
+        if opt.update_applied:
+            sched.step()
+    assert opt.flush()
+    sched.step()
+    assert torch.equal(_flat(ours.model), _flat(model))
