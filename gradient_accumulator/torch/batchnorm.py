@@ -43,6 +43,13 @@ def live_layers() -> list[nn.Module]:
     return list(_LIVE)
 
 
+_COMPILE_REASON = (
+    "AccumBatchNorm keeps its cycle bookkeeping (moment merge, micro-step counter, running-"
+    "statistics update) outside the compiled graph; compile the model without fullgraph=True "
+    "(the layer's normalisation itself is compiled)"
+)
+
+
 class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 
@@ -95,6 +102,11 @@ class _AccumBatchNormMixin:
             self._accumulate_moments(input.detach())
         return out
 
+    # Host-side cycle bookkeeping (the core's moment merge, the micro-step counter, the once-per-
+    # cycle running-statistics update) stays out of torch.compile's graph on purpose: traced, the
+    # in-place counter update is dropped and the running statistics never move. Under compile
+    # the forward breaks the graph here and runs this part eagerly.
+    @torch.compiler.disable(reason=_COMPILE_REASON)
     @torch.no_grad()
     def _accumulate_moments(self, x: torch.Tensor) -> None:
         if self.accum_mean.dtype != torch.float64:  # e.g. after model.half()

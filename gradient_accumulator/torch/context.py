@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer, unwrap_optimizer
 
 __all__ = ["accumulate"]
 
@@ -58,6 +58,7 @@ def accumulate(
         >>> sync
         False
     """
+    optimizer = unwrap_optimizer(optimizer)  # Lightning's and accelerate's proxies
     if not isinstance(optimizer, GradientAccumulateOptimizer):
         raise TypeError(
             f"optimizer must be a GradientAccumulateOptimizer, got {type(optimizer).__name__}"

@@ -6,6 +6,7 @@ import hashlib
 import math
 import signal
 import threading
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, NamedTuple
@@ -110,6 +111,137 @@ class _InterruptGate:
 
 _MAIN_THREAD = threading.main_thread().ident
 _held_interrupts = _InterruptGate()
+def _refuse_outer_accumulation() -> None:
+    """Refuse to run under an ``accelerate`` gradient accumulation of more than one step.
+
+    ``Accelerator(gradient_accumulation_steps=n)`` sums ``n`` backwards in ``.grad`` and lets
+    the optimizer step only every ``n``-th call: with this wrapper that accumulates twice
+    (``n × accum_steps`` micro-batches per update, the first ``n`` summed unweighted).
+    accelerate's gradient state is process-wide, so it is read without importing accelerate.
+    """
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    try:
+        kwargs = state.GradientState._shared_state.get("plugin_kwargs") or {}
+        steps = int(kwargs.get("num_steps", 1))
+    except (AttributeError, TypeError, ValueError):
+        return
+    if steps > 1:
+        raise ValueError(
+            f"accelerate is set to accumulate gradients over {steps} steps "
+            "(Accelerator(gradient_accumulation_steps=...)), and GradientAccumulateOptimizer "
+            "accumulates too: the micro-batches would be accumulated twice. Create the "
+            "Accelerator with gradient_accumulation_steps=1 and let the optimizer's accum_steps "
+            "count the micro-batches"
+        )
+
+
+def _is_lightning_proxy(cls: type) -> bool:
+    return any(
+        b.__name__ == "LightningOptimizer" and b.__module__.endswith("core.optimizer")
+        for b in cls.__mro__
+    )
+
+
+# Attributes a proxy must read and write on the real wrapper, not on itself.
+_PROXIED_ATTRIBUTES = (
+    "update_applied", "last_grad_norm", "accum_steps", "reduction", "max_grad_norm",
+    "use_agc", "clip_factor", "eps", "grad_scaler", "leftover",
+)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The GradientAccumulateOptimizer behind a framework's optimizer proxy, else ``optimizer``.
+
+    Follows Lightning's ``LightningOptimizer`` (``_optimizer``) and accelerate's
+    ``AcceleratedOptimizer`` (``optimizer``), so that state set on the result reaches the real
+    wrapper and not a copy on the proxy.
+    """
+    for _ in range(8):
+        if isinstance(optimizer, GradientAccumulateOptimizer) and not _is_lightning_proxy(
+            type(optimizer)
+        ):
+            return optimizer
+        inner = vars(optimizer).get("_optimizer", vars(optimizer).get("optimizer"))
+        if inner is None:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def _forward_attribute(name: str) -> property:
+    def get(self: Any) -> Any:
+        return getattr(self._optimizer, name)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self._optimizer, name, value)
+
+    return property(get, set_, doc=f"The wrapped optimizer's ``{name}``.")
+
+
+def _forward_method(name: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._optimizer, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _install_lightning_forwarding(cls: type) -> None:
+    """Make Lightning's optimizer proxy act on the real wrapper.
+
+    Lightning's ``LightningOptimizer`` becomes a subclass of the wrapped optimizer's class, so our
+    methods would run with the proxy as ``self`` and write the cycle's counters on the proxy
+    (a ``flush()`` through ``self.optimizers()`` would leave the real wrapper mid-cycle). Every
+    public method, property and attribute is forwarded to the real wrapper instead, and
+    ``step()`` only counts as a Lightning optimizer step (``global_step``, step hooks) when it
+    ends a cycle; ``flush()`` counts when it applies an update.
+    """
+    # Names the proxy's own classes define (before ours in the MRO) stay theirs.
+    mro = cls.__mro__
+    proxy_bases = [b for b in mro[: mro.index(GradientAccumulateOptimizer)]
+                   if not issubclass(b, GradientAccumulateOptimizer)]
+    own = {n for b in proxy_bases for n in vars(b)}
+    names = {n for n in vars(GradientAccumulateOptimizer) if not n.startswith("_")}
+    for name in sorted(names - own - {"step", "flush"}):
+        value = vars(GradientAccumulateOptimizer)[name]
+        if isinstance(value, property):
+            setattr(cls, name, _forward_attribute(name))
+        elif callable(value):
+            setattr(cls, name, _forward_method(name))
+    for name in _PROXIED_ATTRIBUTES:
+        if name not in own:
+            setattr(cls, name, _forward_attribute(name))
+    base_step = cls.step
+
+    def step(self: Any, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        real = self._optimizer
+        module = getattr(self._strategy, "lightning_module", None)
+        if module is not None and module.automatic_optimization and real.accum_steps > 1:
+            raise RuntimeError(
+                "GradientAccumulateOptimizer with accum_steps > 1 needs Lightning's manual "
+                "optimization: set self.automatic_optimization = False and call "
+                "opt.step(weight=...) on every micro-batch in training_step (Lightning's "
+                "automatic loop would count every micro-batch as an optimizer step and step "
+                "interval='step' schedulers on each)"
+            )
+        if not real.is_boundary_next():
+            # A micro-step, not an optimizer step: Lightning must not count it.
+            return real.step(closure, **kwargs)
+        return base_step(self, closure, **kwargs)
+
+    def flush(self: Any) -> bool:
+        applied = self._optimizer.flush()
+        if applied:  # count the update as Lightning's optimizer step
+            self._on_before_step()
+            self._on_after_step()
+        return applied
+
+    step.__doc__ = GradientAccumulateOptimizer.step.__doc__
+    flush.__doc__ = GradientAccumulateOptimizer.flush.__doc__
+    cls.step = step
+    cls.flush = flush
 
 
 class GradientAccumulateOptimizer(torch.optim.Optimizer):
@@ -197,6 +329,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         2.0
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if _is_lightning_proxy(cls):
+            _install_lightning_forwarding(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -257,17 +394,16 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self.leftover = leftover
         self.model = model
         self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
-        # Share the inner optimizer's groups and state: LR schedulers and state_dict() act on it.
-        # (torch.optim.Optimizer.__init__ is not called: it would rebuild the groups.)
+        # The inner optimizer's groups and state are the wrapper's: LR schedulers and state_dict()
+        # act on it. (torch.optim.Optimizer.__init__ is not called: it would rebuild the groups.)
         for name in (
             "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
             "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
             "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
         ):
             setattr(self, name, OrderedDict())
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
+        # param_groups, state and defaults are properties reading the inner optimizer's current
+        # objects: its load_state_dict() replaces them, and a scheduler must keep acting on them.
 
         self._params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         if not self._params:
@@ -456,6 +592,59 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             return "adam"
         return None
 
+    # ---- the inner optimizer's state, always its current objects ----
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's ``param_groups`` (the same list, whatever replaced it)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's ``state``."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's ``defaults``."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def _run_step_hooks(self, post: bool) -> None:
+        """Fire the step hooks once per real update (micro-steps are not optimizer steps).
+
+        Hooks registered on the wrapper see the wrapper. When the fused pass replaces the inner
+        optimizer's ``step()``, the inner optimizer's own hooks and torch's global optimizer hooks
+        fire here too, so every path calls each hook exactly once per update.
+        """
+        from torch.optim import optimizer as topt
+
+        own = self._optimizer_step_post_hooks if post else self._optimizer_step_pre_hooks
+        for hook in list(own.values()):
+            hook(self, (), {})
+        if self._fused_kind is None:
+            return  # the inner optimizer's step() runs and fires its own hooks
+        inner = self.optimizer
+        if post:
+            hooks = [*inner._optimizer_step_post_hooks.values(),
+                     *topt._global_optimizer_post_hooks.values()]
+        else:
+            hooks = [*topt._global_optimizer_pre_hooks.values(),
+                     *inner._optimizer_step_pre_hooks.values()]
+        for hook in hooks:
+            hook(inner, (), {})
+
     @property
     def uses_fused_apply(self) -> bool:
         """True when the update is the core's fused pass (SGD, Adam, AdamW)."""
@@ -511,6 +700,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         raised: the micro-batch has then been counted (:attr:`micro_step` moved) and must not be
         fed again.
         """
+        _refuse_outer_accumulation()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -840,6 +1030,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             # update would still move weights through weight decay and momentum).
             self._reset_cycle()
             return False
+        self._run_step_hooks(post=False)
         self._clip_coef = None
         if self.max_grad_norm is not None and self._cuda:
             # Norm and coefficient stay on the device; every apply call reads the coefficient.
@@ -861,6 +1052,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._update_scaler(False)
         self._reset_cycle()
         self.update_applied = True
+        self._run_step_hooks(post=True)
         return True
 
     def _check_accumulated(self, idx: list[int], scale: float) -> Any:

@@ -1,0 +1,205 @@
+"""Hugging Face ``Trainer`` with token-exact accumulation by GradientAccumulateOptimizer.
+
+The Trainer's own accumulation divides each micro-batch's summed loss by the cycle's token count
+and sums the gradients in ``.grad`` (in the parameters' dtype). :class:`GradientAccumulationTrainer`
+keeps the Trainer's loop — ``gradient_accumulation_steps`` micro-batches per update,
+``global_step``, the scheduler and logging once per update, a short last cycle at the epoch's
+end — but every micro-batch's loss is the mean over its own target tokens, and its gradient is
+folded into the wrapper's fp32 accumulator with weight = its number of target tokens. The update
+is the exact token mean of the whole cycle, with the wrapper's clipping::
+
+    from gradient_accumulator.torch.transformers import GradientAccumulationTrainer
+
+    args = TrainingArguments(..., gradient_accumulation_steps=4, max_grad_norm=1.0)
+    trainer = GradientAccumulationTrainer(model=model, args=args, train_dataset=ds,
+                                          data_collator=collate)
+    trainer.train()
+
+The inner optimizer and scheduler are the Trainer's (``optim``, ``lr_scheduler_type``,
+``warmup_steps``), or pass ``optimizers=(GradientAccumulateOptimizer(...), scheduler)`` with
+``accum_steps == gradient_accumulation_steps``. ``max_grad_norm`` clips the accumulated gradient
+(the Trainer's own per-micro-batch clipping is off). Checkpoints hold the wrapper's full state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
+
+__all__ = ["GradientAccumulationTrainer", "target_tokens"]
+
+IGNORE_INDEX = -100
+
+
+def target_tokens(labels: torch.Tensor, shift: bool) -> int:
+    """Number of target tokens in ``labels`` (entries other than -100).
+
+    Args:
+        labels: the micro-batch's labels.
+        shift: True for causal language models, whose loss predicts ``labels[..., 1:]``.
+    """
+    if shift:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+class _TrainerStep(torch.optim.Optimizer):
+    """The optimizer the Trainer holds: its ``step()`` folds the cycle's last micro-batch with the
+    weight the trainer recorded, and applies a short cycle (epoch end) with its true weight."""
+
+    def __init__(self, wrapper: GradientAccumulateOptimizer) -> None:
+        self.wrapper = wrapper
+        self.pending_weight: float | None = None
+        for name in (
+            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.wrapper.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.wrapper.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.wrapper.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.wrapper.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.wrapper.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.wrapper.defaults = value
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        weight = 1.0 if self.pending_weight is None else self.pending_weight
+        self.pending_weight = None
+        loss = self.wrapper.step(closure, weight=weight)
+        if not self.wrapper.update_applied and self.wrapper.micro_step > 0:
+            self.wrapper.flush()  # the epoch's short last cycle
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wrapper.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.wrapper.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wrapper.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.wrapper.add_param_group(param_group)
+
+
+class GradientAccumulationTrainer(Trainer):
+    """``transformers.Trainer`` whose accumulation is exact in the number of target tokens.
+
+    Args:
+        *args: ``Trainer``'s arguments.
+        shift_labels: whether the loss predicts ``labels[..., 1:]`` (default: True for the
+            causal language models of ``AutoModelForCausalLM``).
+        weight_fn: ``inputs -> weight`` of a micro-batch, instead of its target-token count
+            (e.g. its number of samples for a per-sample mean loss).
+        **kwargs: ``Trainer``'s keyword arguments.
+
+    Attributes:
+        accumulator: the :class:`GradientAccumulateOptimizer` (after ``create_optimizer``).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        shift_labels: bool | None = None,
+        weight_fn: Callable[[dict[str, Any]], float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if shift_labels is None:
+            shift_labels = type(self.model).__name__ in set(
+                MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+            )
+        self.shift_labels = bool(shift_labels)
+        self.weight_fn = weight_fn
+        # Each micro-batch's loss is a mean over its own targets, never divided by the number of
+        # micro-batches: the wrapper forms the weighted mean.
+        self.loss_is_scaled_for_ga = True
+        self.accumulator: GradientAccumulateOptimizer | None = None
+        self._trainer_step: _TrainerStep | None = None
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer wrapped in a GradientAccumulateOptimizer (once)."""
+        if self._trainer_step is not None:
+            return self.optimizer
+        k = self.args.gradient_accumulation_steps
+        given = self.optimizer
+        if isinstance(given, GradientAccumulateOptimizer):
+            if given.accum_steps != k:
+                raise ValueError(
+                    f"optimizers[0] has accum_steps={given.accum_steps}, but "
+                    f"gradient_accumulation_steps={k}; they must agree"
+                )
+            wrapper = given
+        else:
+            inner = super().create_optimizer(model) if model is not None else (
+                super().create_optimizer()
+            )
+            clip = self.args.max_grad_norm
+            wrapper = GradientAccumulateOptimizer(
+                inner, k, max_grad_norm=clip if clip and clip > 0 else None
+            )
+        self.accumulator = wrapper
+        self._trainer_step = _TrainerStep(wrapper)
+        self.optimizer = self._trainer_step
+        return self.optimizer
+
+    def micro_batch_weight(self, inputs: dict[str, Any]) -> float:
+        """The micro-batch's weight: ``weight_fn(inputs)``, else its target-token count."""
+        if self.weight_fn is not None:
+            return float(self.weight_fn(inputs))
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError(
+                "the micro-batch has no 'labels' to count target tokens in; pass weight_fn="
+            )
+        return float(target_tokens(labels, self.shift_labels))
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch, then fold it into the accumulators."""
+        weight = self.micro_batch_weight(inputs)
+        # num_items_in_batch is not passed on: the loss stays this micro-batch's own token mean.
+        loss = super().training_step(model, inputs, None)
+        step = self._trainer_step
+        if step is None:
+            raise RuntimeError("training_step() called before create_optimizer()")
+        if self.accelerator.sync_gradients:
+            step.pending_weight = weight  # the Trainer's optimizer.step() folds it and updates
+        else:
+            step.wrapper.step(weight=weight)
+            step.wrapper.zero_grad()
+        # Logged loss: the Trainer sums the micro-batches' values.
+        return loss / self.current_gradient_accumulation_steps
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        return None  # the wrapper clips the accumulated gradient (max_grad_norm)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        return None  # .grad holds one micro-batch only; the wrapper records last_grad_norm

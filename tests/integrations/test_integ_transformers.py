@@ -1,0 +1,191 @@
+"""Hugging Face Trainer with the real library: token-exact accumulation of a tiny GPT-2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gradient_accumulator.torch.transformers import (  # noqa: E402
+    GradientAccumulationTrainer,
+    target_tokens,
+)
+
+K, B, N_SEQ, LR, WD, CLIP, WARMUP = 3, 2, 21, 3e-3, 0.01, 0.5, 3  # 11 micro-batches an epoch
+EPOCHS = 3  # 4 updates an epoch (3 full, 1 short), 12 in all
+VOCAB = 40
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 17, (N_SEQ,), generator=g)
+    return [torch.randint(1, VOCAB, (int(n),), generator=g) for n in lengths]
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.seqs = _sequences()
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.seqs[i]}
+
+
+def collate(items: list[dict]) -> dict:
+    """Right-pads a micro-batch to its own longest sequence; padding is no target."""
+    n = max(len(it["input_ids"]) for it in items)
+    ids = torch.zeros(len(items), n, dtype=torch.long)
+    mask = torch.zeros(len(items), n, dtype=torch.long)
+    for r, it in enumerate(items):
+        ids[r, : len(it["input_ids"])] = it["input_ids"]
+        mask[r, : len(it["input_ids"])] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _model():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=B, gradient_accumulation_steps=K,
+        num_train_epochs=EPOCHS, learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP,
+        lr_scheduler_type="linear", warmup_steps=WARMUP, adam_beta1=0.9, adam_beta2=0.999,
+        adam_epsilon=1e-8, optim="adamw_torch", report_to="none", save_strategy="no",
+        logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        seed=0, data_seed=0, remove_unused_columns=False,
+    )
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+class _InOrder:
+    """Trainer mixin: micro-batches in dataset order, so that the reference sees the same data."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+class OursInOrder(_InOrder, GradientAccumulationTrainer):
+    pass
+
+
+class TrainerInOrder(_InOrder, transformers.Trainer):
+    pass
+
+
+def _flat(model):
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def _token_exact_big_batch(total_updates: int):
+    """One AdamW update per cycle on the summed token losses / the cycle's target tokens."""
+    model = _model()
+    # The Trainer's grouping: no weight decay on biases and LayerNorm weights.
+    names = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    decay = [p for n, p in model.named_parameters() if n in names]
+    no_decay = [p for n, p in model.named_parameters() if n not in names]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.999), eps=1e-8,
+    )
+    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, total_updates)
+    data = _Data()
+    batches = [collate([data[j] for j in range(i, min(i + B, len(data)))])
+               for i in range(0, len(data), B)]
+    updates = 0
+    for _ in range(EPOCHS):
+        for start in range(0, len(batches), K):
+            cycle = batches[start:start + K]
+            tokens = sum(target_tokens(b["labels"], True) for b in cycle)
+            total = 0.0
+            for b in cycle:
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                total = total + torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1),
+                    ignore_index=-100, reduction="sum",
+                )
+            (total / tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            updates += 1
+    return _flat(model), updates
+
+
+def test_trainer_is_token_exact(tmp_path):
+    ours = OursInOrder(
+        model=_model(), args=_args(tmp_path), train_dataset=_Data(), data_collator=collate
+    )
+    ours.train()
+    updates = ours.state.global_step
+    assert updates == EPOCHS * 4  # updates, not micro-batches
+    assert ours.accumulator.accumulation_state.updates == updates
+    assert ours.accumulator.micro_step == 0
+    assert ours.lr_scheduler.last_epoch == updates
+    ref, ref_updates = _token_exact_big_batch(updates)
+    assert ref_updates == updates
+    w = _flat(ours.model)
+
+    own = TrainerInOrder(
+        model=_model(), args=_args(tmp_path), train_dataset=_Data(), data_collator=collate
+    )
+    own.train()
+    scale = ref.abs().max().item()
+    d_ours = (w - ref).abs().max().item()
+    d_own = (_flat(own.model) - ref).abs().max().item()
+    print(f"max|dw| from the token-exact big batch: ours {d_ours:.3e}, Trainer's own "
+          f"gradient_accumulation_steps {d_own:.3e} (max|w| {scale:.3f}, {updates} updates)")
+    assert d_ours <= 1e-5 * scale
+
+
+def test_target_tokens_counts_shifted_labels():
+    labels = torch.tensor([[5, 6, 7, -100], [1, -100, -100, -100]])
+    assert target_tokens(labels, True) == 2
+    assert target_tokens(labels, False) == 4
+
+
+def test_bf16_model_accumulates_in_fp32_like_the_hand_loop(tmp_path):
+    """A bf16 GPT-2 through the Trainer: fp32 accumulators, and the very same weights as the
+    wrapper driven by hand with token weights (same micro-batches, schedule and short cycle)."""
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+    args = _args(tmp_path, num_train_epochs=1)
+    ours = OursInOrder(model=_model().to(torch.bfloat16), args=args, train_dataset=_Data(),
+                       data_collator=collate)
+    ours.train()
+    assert ours.state.global_step == 4
+    assert all(a.dtype == torch.float32 for a in ours.accumulator.accumulators())
+
+    model = _model().to(torch.bfloat16)
+    names = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    inner = torch.optim.AdamW(
+        [{"params": [p for n, p in model.named_parameters() if n in names],
+          "weight_decay": WD},
+         {"params": [p for n, p in model.named_parameters() if n not in names],
+          "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.999), eps=1e-8,
+    )
+    opt = GradientAccumulateOptimizer(inner, K, max_grad_norm=CLIP)
+    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, 4)
+    data = _Data()
+    for i in range(0, len(data), B):
+        batch = collate([data[j] for j in range(i, min(i + B, len(data)))])
+        model(**batch).loss.backward()
+        opt.step(weight=target_tokens(batch["labels"], True))
+        opt.zero_grad()
+        if opt.update_applied:
+            sched.step()
+    assert opt.flush()
+    sched.step()
+    assert torch.equal(_flat(ours.model), _flat(model))
