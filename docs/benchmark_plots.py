@@ -61,7 +61,8 @@ def cpu_core() -> None:
         torch_ms.append(min(_first_number(part.split("`")[-1]) for part in torch_cell.split(";")))
         ours_ms.append(_first_number(ours_cell))
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    _bars(ax, labels, {"torch (fastest pipeline)": torch_ms, "ours": ours_ms}, "ms (lower is better)")
+    series = {"torch (fastest pipeline)": torch_ms, "ours": ours_ms}
+    _bars(ax, labels, series, "ms (lower is better)")
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title("CPU, GPT-2-small shapes (124M parameters)")
     fig.tight_layout()
