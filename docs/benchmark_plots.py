@@ -13,7 +13,9 @@ import re
 import matplotlib.pyplot as plt
 import numpy as np
 
-README = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "README.md"
+# The plot directive runs this file without __file__, from docs/ (plot_working_directory).
+_DOCS = pathlib.Path(__file__).resolve().parent if "__file__" in globals() else pathlib.Path.cwd()
+README = _DOCS.parent / "benchmarks" / "README.md"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
