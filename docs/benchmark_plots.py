@@ -96,8 +96,12 @@ def torch_distributed() -> None:
         for w in worlds
     }
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    _bars(ax, [s.replace(", ", ",\n").replace(" + ", " +\n") for s in strategies], series,
-          "ms per cycle (lower is better)")
+    _bars(
+        ax,
+        [s.replace(", ", ",\n").replace(" + ", " +\n") for s in strategies],
+        series,
+        "ms per cycle (lower is better)",
+    )
     ax.tick_params(axis="x", labelsize=6.5)
     ax.set_title("torch.distributed (Gloo), k = 4")
     fig.tight_layout()

@@ -61,9 +61,9 @@ def test_notebook_runs_and_matches_big_batch(name, backend, tmp_path):
         pytest.importorskip("torch")
     source = TUTORIALS / f"{name}.ipynb"
     nb = nbformat.read(source, as_version=4)
-    assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
-        f"{source.name} is stored with outputs; clear them before committing"
-    )
+    assert not any(
+        c.get("outputs") for c in nb.cells if c.cell_type == "code"
+    ), f"{source.name} is stored with outputs; clear them before committing"
     client = nbclient.NotebookClient(
         nb, timeout=TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
     )

@@ -77,9 +77,13 @@ def test_wheel_holds_the_package_only():
         )
     top = {n.split("/")[0] for n in names}
     assert top == {"gradient_accumulator", f"gradient_accumulator-{metadata['Version']}.dist-info"}
-    for required in ("gradient_accumulator/_C.pyi", "gradient_accumulator/py.typed",
-                     "gradient_accumulator/__init__.py", "gradient_accumulator/torch/__init__.py",
-                     "gradient_accumulator/keras/__init__.py"):
+    for required in (
+        "gradient_accumulator/_C.pyi",
+        "gradient_accumulator/py.typed",
+        "gradient_accumulator/__init__.py",
+        "gradient_accumulator/torch/__init__.py",
+        "gradient_accumulator/keras/__init__.py",
+    ):
         assert required in names
     assert [n for n in names if re.fullmatch(r"gradient_accumulator/_C\..*(so|pyd)", n)]
     for forbidden in ("tests/", "benchmarks/", "examples/", "docs/", "csrc/", "conftest"):
@@ -103,9 +107,15 @@ def test_sdist_builds_everything_and_carries_the_license():
     sdist = _artifact("GA_SDIST")
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for required in ("pyproject.toml", "CMakeLists.txt", "LICENSE", "README.md", "CHANGELOG.md",
-                     "csrc/include/gradient_accumulator/gradient_accumulator.h",
-                     "gradient_accumulator/_C.pyi"):
+    for required in (
+        "pyproject.toml",
+        "CMakeLists.txt",
+        "LICENSE",
+        "README.md",
+        "CHANGELOG.md",
+        "csrc/include/gradient_accumulator/gradient_accumulator.h",
+        "gradient_accumulator/_C.pyi",
+    ):
         assert required in names, required
     assert not [n for n in names if n.endswith((".so", ".pyd"))]
     assert not [n for n in names if n.startswith((".github/", "build/", "dist/"))]
