@@ -17,7 +17,10 @@ import pathlib
 import shutil
 import subprocess
 
-import gradient_accumulator
+# The API pages import gradient_accumulator.keras, hence Keras and its backend; keep TF quiet.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import gradient_accumulator  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
