@@ -16,7 +16,7 @@ from typing import Any
 
 from gradient_accumulator.nonfinite import NonFiniteGradientError, NonFiniteGradientWarning
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 _KERAS_NAMES = {
     "GradientAccumulateModel": "gradient_accumulator.keras",
