@@ -87,6 +87,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 autocast=False,
             )
 
+        # Only the channel axis is fixed, not the rank (BatchNormalization pins both): one layer
+        # may follow a Dense and a Conv2D of the same width, as the original layer allowed.
+        self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={self.axis: shape[0]})
         self.accum_mean = state("accum_mean", shape)
         self.accum_variance = state("accum_variance", shape)
         self.accum_count = state("accum_count", ())
@@ -98,6 +101,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=False, mask=mask)
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         x = ops.cast(inputs, compute_dtype)
+        # Reduction axes of this call's rank; BatchNormalization's own helpers read them here.
+        object.__setattr__(self, "_reduction_axes", self._axes_of(len(x.shape)))
         mean, variance = self._moments(x, mask)
         self._merge_and_update(mean, variance, self._count(x, mask))
         gamma = ops.cast(self.gamma, x.dtype) if self.scale else None
@@ -107,6 +112,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
+
+    def _axes_of(self, rank: int) -> list[int]:
+        """Every axis but the channel axis, for an input of ``rank``."""
+        channel = self.axis % rank
+        return [a for a in range(rank) if a != channel]
 
     def _count(self, x: Any, mask: Any) -> Any:
         """Values per channel in this micro-batch."""
