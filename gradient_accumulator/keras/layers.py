@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras._compat import warn_deprecated
 
 __all__ = ["AccumBatchNormalization"]
 
@@ -94,6 +95,33 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.accum_variance = state("accum_variance", shape)
         self.accum_count = state("accum_count", ())
         self.accum_step = state("accum_step", (), "int32")
+
+    def __getattr__(self, name: str) -> Any:
+        # 0.5's names, resolved here rather than as properties so that Keras's saving, which
+        # reads every attribute dir() lists, does not trigger the warnings.
+        if name == "accum_step_counter":
+            warn_deprecated(
+                "AccumBatchNormalization.accum_step_counter", "use accum_step (an int32 weight)"
+            )
+            return self.accum_step
+        if name == "reset_accum":
+            warn_deprecated(
+                "AccumBatchNormalization.reset_accum()",
+                "the merged statistics restart by themselves at each cycle; "
+                "GradientAccumulateModel.reinit_grad_accum() discards a partial cycle",
+            )
+            return self._reset_accum
+        getter = getattr(super(), "__getattr__", None)
+        if getter is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getter(name)
+
+    def _reset_accum(self) -> None:
+        """Discard the micro-batches merged so far (the next call starts a cycle)."""
+        self.accum_step.assign(0)
+        self.accum_count.assign(0.0)
+        self.accum_mean.assign(ops.zeros(self.accum_mean.shape, "float32"))
+        self.accum_variance.assign(ops.zeros(self.accum_variance.shape, "float32"))
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         """Normalise with micro-batch statistics in training, moving statistics otherwise."""

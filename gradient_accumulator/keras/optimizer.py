@@ -19,6 +19,7 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras._compat import warn_deprecated
 from gradient_accumulator.keras.agc import check_agc_args, clip_one
 
 __all__ = ["GradientAccumulateOptimizer"]
@@ -28,6 +29,11 @@ _FORBIDDEN_ON_WRAPPER = (
     "weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
     "gradient_accumulation_steps", "learning_rate",
 )
+_IGNORED_FROM_0_5 = {
+    "lr": "it has no effect; set learning_rate on the inner optimizer",
+    "decay": "it has no effect; give the inner optimizer a "
+    "keras.optimizers.schedules.LearningRateSchedule as learning_rate",
+}
 # Own scalar state, in the order the variables are created (after the base class's iteration
 # counter and learning-rate variable): the JAX path reads them back by position.
 _SCALARS = ("micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth")
@@ -151,6 +157,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         use_agc = _checks.check_bool(use_agc, "use_agc")
         clip_factor, eps = check_agc_args(clip_factor, eps)
         leftover = _checks.check_leftover(leftover)
+        # 0.5 accepted these (Keras 2's OptimizerV2 arguments) and ignored them.
+        for key, instead in _IGNORED_FROM_0_5.items():
+            if key in kwargs:
+                kwargs.pop(key)
+                warn_deprecated(f"GradientAccumulateOptimizer({key}=...)", instead)
         for key in _FORBIDDEN_ON_WRAPPER:
             if kwargs.get(key) not in (None, False):
                 raise ValueError(
@@ -240,6 +251,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def accumulators(self) -> list[Any]:
         """The float32 gradient accumulators, one per trainable variable."""
         return list(self._accumulators)
+
+    def __getattr__(self, name: str) -> Any:
+        # 0.5's name of the accumulators. Resolved here rather than as a property so that
+        # Keras's saving, which reads every attribute dir() lists, does not trigger the warning.
+        if name == "gradients":
+            warn_deprecated("GradientAccumulateOptimizer.gradients", "use accumulators")
+            return self.accumulators
+        getter = getattr(super(), "__getattr__", None)
+        if getter is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getter(name)
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiply the loss by the current loss scale (and the inner static factor, if any)."""
