@@ -29,6 +29,12 @@ _FORBIDDEN_ON_WRAPPER = (
     "weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
     "gradient_accumulation_steps", "learning_rate",
 )
+# Base-optimizer arguments at their defaults, as older configs of the wrapper hold them.
+_BASE_DEFAULTS = {
+    "weight_decay": None, "use_ema": False, "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
 _IGNORED_FROM_0_5 = {
     "lr": "it has no effect; set learning_rate on the inner optimizer",
     "decay": "it has no effect; give the inner optimizer a "
@@ -444,14 +450,40 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
+        overwrite = self._overwrite_maxima(grads, trainable_variables, self._micro_step)
         if _BACKEND == "jax":
             self._jax_stateful(grads, trainable_variables)
-        elif _BACKEND == "torch" and self._core_enabled():
+        elif _BACKEND == "torch" and not overwrite and self._core_enabled():
             from gradient_accumulator.keras import _core_path
 
             _core_path.apply(self, grads, trainable_variables)
         else:
             self._stateful_apply(grads, trainable_variables)
+        if overwrite and _BACKEND != "jax":  # the JAX path does this in stateless_apply
+            boundary = ops.equal(self._micro_step, 0)
+            for var, acc, maximum in overwrite:
+                var.assign(ops.where(boundary, ops.cast(maximum, var.dtype), var))
+                acc.assign(maximum)
+
+    def _overwrite_maxima(self, grads: Sequence[Any], variables: Sequence[Any],
+                          micro_step: Any, accs: Sequence[Any] | None = None) -> list[tuple]:
+        """``(variable, accumulator, cycle maximum)`` of the ``overwrite_with_gradient`` ones.
+
+        As in Keras's own accumulation, such a variable (a float8 scale or amax history) keeps
+        its value during a cycle and is overwritten at the boundary with the elementwise maximum
+        of the cycle's gradients; the accumulator holds the running maximum, not a sum.
+        """
+        first = ops.equal(micro_step, 0)
+        out = []
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is None or not getattr(v, "overwrite_with_gradient", False):
+                continue
+            acc = (self._accumulators[self._get_variable_index(v)] if accs is None else accs[i])
+            previous = acc.value if accs is None else acc
+            g = ops.cast(g, "float32")
+            maximum = ops.where(first, g, ops.maximum(previous, g))
+            out.append((v if accs is None else i, acc, maximum))
+        return out
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         """``apply`` on ``(gradient, variable)`` pairs; returns the micro-step counter."""
@@ -596,6 +628,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         n_own = len(self._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
+        overwrite = self._overwrite_maxima(
+            grads, self._trainable_variables, own["micro_step"], own["accs"]
+        )
         grads = self._dense(grads, self._trainable_variables)
 
         first = ops.equal(own["micro_step"], 0)
@@ -612,6 +647,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables
         )
+        if overwrite:
+            new_tv, own["accs"] = list(new_tv), list(own["accs"])
+            for i, _, maximum in overwrite:
+                new_tv[i] = ops.where(
+                    boundary, ops.cast(maximum, new_tv[i].dtype), trainable_variables[i]
+                )
+                own["accs"][i] = maximum
         return new_tv, self._pack(optimizer_variables, own, new_inner)
 
     def _stateless_cycle_end(
@@ -751,7 +793,25 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
         """Inverse of :meth:`get_config`."""
         config = copy.deepcopy(config)
-        config["optimizer"] = keras.saving.deserialize_keras_object(
-            config["optimizer"], custom_objects=custom_objects
-        )
+        # Configs written by older versions carry the base optimizer's arguments at their
+        # defaults (and the unused wrapper learning rate); those mean nothing here. Other
+        # values still reach __init__, which refuses them.
+        config.pop("learning_rate", None)
+        for key, default in _BASE_DEFAULTS.items():
+            if key in config and config[key] == default:
+                del config[key]
+        inner = config["optimizer"]
+        if isinstance(inner, dict) and "module" not in inner:
+            # 0.5 wrote tf.keras 2 configs ({"class_name": "SGD", "config": {...}}), whose
+            # decay=0.0 meant "no decay".
+            inner = copy.deepcopy(inner)
+            if inner.get("config", {}).get("decay", None) == 0.0:
+                del inner["config"]["decay"]
+            config["optimizer"] = keras.optimizers.deserialize(
+                inner, custom_objects=custom_objects
+            )
+        else:
+            config["optimizer"] = keras.saving.deserialize_keras_object(
+                inner, custom_objects=custom_objects
+            )
         return cls(**config)
