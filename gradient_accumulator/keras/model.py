@@ -76,6 +76,9 @@ class GradientAccumulateModel(keras.Model):
         agc_exclude: Any = "final",
         **kwargs: Any,
     ) -> None:
+        if "agc" in kwargs:  # the name 0.5's README used for use_agc
+            warn_deprecated("GradientAccumulateModel(agc=...)", "use use_agc")
+            use_agc = kwargs.pop("agc")
         accum_steps = _checks.check_accum_steps(accum_steps)
         mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
         use_agc = _checks.check_bool(use_agc, "use_agc")

@@ -16,9 +16,14 @@ from gradient_accumulator.keras import GradientAccumulateOptimizer
 
 BACKEND = keras.backend.backend()
 
-# Keras's test_gradient_accumulation_with_weigth_decay list.
+# Keras's test_gradient_accumulation_with_weigth_decay list. Known failure, fixed separately:
+# Nadam's extra state is not tracked through the inner optimizer's build, and on JAX it then
+# never updates (strict, so the mark must go when the fix lands).
 ALL_OPTIMIZERS = ["adam", "sgd", "adamw", "adagrad", "rmsprop", "adadelta", "adamax", "lion",
-                  "nadam", "ftrl", "adafactor"]
+                  pytest.param("nadam", marks=pytest.mark.xfail(
+                      keras.backend.backend() == "jax", strict=True,
+                      reason="Nadam's _u_product untracked on JAX (issue 16, item 6)")),
+                  "ftrl", "adafactor"]
 
 
 def _np(x):
@@ -134,9 +139,6 @@ def test_overwrite_with_negative_gradients_takes_their_maximum():
 def test_weight_decay_every_optimizer(name):
     """Keras's test_gradient_accumulation_with_weigth_decay: 3 micro-batches through the
     wrapper equal one step of the same optimizer on their mean gradient, for every optimizer."""
-    if name == "nadam" and BACKEND == "jax":
-        pytest.xfail(reason="Nadam's extra state (_u_product) is not yet tracked through the "
-                            "inner optimizer's build on JAX (issue 16, item 6)", strict=True)
     rng = np.random.default_rng(1)
     plain = keras.optimizers.get({"class_name": name, "config": {"weight_decay": 0.05}})
     ours = GradientAccumulateOptimizer(
@@ -145,7 +147,7 @@ def test_weight_decay_every_optimizer(name):
     )
     v_plain = keras.Variable([[0.9], [0.5]])
     v_ours = keras.Variable([[0.9], [0.5]])
-    for _ in range(4):
+    for _ in range(3):
         grads3 = rng.random((3, 2, 1)).astype("float32")
         plain.apply_gradients([(ops.convert_to_tensor(grads3.mean(axis=0)), v_plain)])
         for batch in range(3):
@@ -254,7 +256,7 @@ def test_config_round_trip():
         assert clone.inner_optimizer.beta_1 == 0.8
     clone = GradientAccumulateOptimizer.from_config(config)
     v1, v2 = keras.Variable(np.ones(3, "float32")), keras.Variable(np.ones(3, "float32"))
-    for g in _grads(6, shape=(3,)):
+    for g in _grads(3, shape=(3,)):
         opt.apply_gradients([(ops.convert_to_tensor(g), v1)])
         clone.apply_gradients([(ops.convert_to_tensor(g), v2)])
     np.testing.assert_array_equal(_np(v1), _np(v2))
