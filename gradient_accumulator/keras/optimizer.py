@@ -125,7 +125,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             whenever the backend is PyTorch and the core is importable.
         **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, applied to the
             accumulated gradient at the boundary (not per micro-batch). Learning rate, weight
-            decay, EMA and loss-scale factors belong to the inner optimizer.
+            decay, EMA and loss-scale factors belong to the inner optimizer. 0.5's ``lr`` and
+            ``decay``, which it ignored, warn with ``DeprecationWarning``.
 
     Example:
         >>> import numpy as np, keras
