@@ -23,9 +23,14 @@ _KERAS_NAMES = {
     "GradientAccumulateOptimizer": "gradient_accumulator.keras",
     "AccumBatchNormalization": "gradient_accumulator.keras",
     "adaptive_clip_grad": "gradient_accumulator.keras",
+    "compute_norm": "gradient_accumulator.keras",
     "unitwise_norm": "gradient_accumulator.keras",
     "replace_batchnorm_layers": "gradient_accumulator.keras",
 }
+
+# The original package's modules, kept as aliases of the Keras implementations; imported on
+# first use so that importing the package needs no framework.
+_SUBMODULES = ("core", "accumulators", "layers", "agc", "utils")
 
 __all__ = [
     "__version__",
@@ -37,8 +42,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "core":
-        return importlib.import_module("gradient_accumulator.core")
+    if name in _SUBMODULES:
+        try:
+            return importlib.import_module(f"gradient_accumulator.{name}")
+        except ImportError as e:
+            if name == "core":
+                raise
+            raise ImportError(
+                f"gradient_accumulator.{name} needs Keras 3 and a backend: "
+                f"pip install 'gradient-accumulator[keras]' ({e})"
+            ) from e
     module = _KERAS_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'gradient_accumulator' has no attribute {name!r}")
@@ -53,4 +66,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_SUBMODULES})

@@ -31,8 +31,6 @@ def compute_norm(x: Any, axis: Any, keepdims: bool) -> Any:
 
     Example:
         >>> from keras import ops
-
-from gradient_accumulator.keras._checks import check_positive
         >>> float(compute_norm(ops.convert_to_tensor([3.0, 4.0]), axis=None, keepdims=False))
         5.0
     """
@@ -62,8 +60,6 @@ def unitwise_norm(x: Any) -> Any:
     Example:
         >>> import numpy as np
         >>> from keras import ops
-
-from gradient_accumulator.keras._checks import check_positive
         >>> kernel = ops.convert_to_tensor(np.array([[3.0, 0.0], [4.0, 1.0]], np.float32))
         >>> ops.convert_to_numpy(unitwise_norm(kernel)).tolist()
         [[5.0, 1.0]]
@@ -117,8 +113,6 @@ def adaptive_clip_grad(
     Example:
         >>> import numpy as np
         >>> from keras import ops
-
-from gradient_accumulator.keras._checks import check_positive
         >>> w = ops.ones((2, 2))
         >>> g = ops.full((2, 2), 10.0)
         >>> (clipped,) = adaptive_clip_grad([w], [g], clip_factor=0.1)

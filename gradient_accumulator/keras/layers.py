@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras._compat import warn_deprecated
 
 __all__ = ["AccumBatchNormalization"]
 
@@ -87,10 +88,40 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 autocast=False,
             )
 
+        # Only the channel axis is fixed, not the rank (BatchNormalization pins both): one layer
+        # may follow a Dense and a Conv2D of the same width, as the original layer allowed.
+        self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={self.axis: shape[0]})
         self.accum_mean = state("accum_mean", shape)
         self.accum_variance = state("accum_variance", shape)
         self.accum_count = state("accum_count", ())
         self.accum_step = state("accum_step", (), "int32")
+
+    def __getattr__(self, name: str) -> Any:
+        # 0.5's names, resolved here rather than as properties so that Keras's saving, which
+        # reads every attribute dir() lists, does not trigger the warnings.
+        if name == "accum_step_counter":
+            warn_deprecated(
+                "AccumBatchNormalization.accum_step_counter", "use accum_step (an int32 weight)"
+            )
+            return self.accum_step
+        if name == "reset_accum":
+            warn_deprecated(
+                "AccumBatchNormalization.reset_accum()",
+                "the merged statistics restart by themselves at each cycle; "
+                "GradientAccumulateModel.reinit_grad_accum() discards a partial cycle",
+            )
+            return self._reset_accum
+        getter = getattr(super(), "__getattr__", None)
+        if getter is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getter(name)
+
+    def _reset_accum(self) -> None:
+        """Discard the micro-batches merged so far (the next call starts a cycle)."""
+        self.accum_step.assign(0)
+        self.accum_count.assign(0.0)
+        self.accum_mean.assign(ops.zeros(self.accum_mean.shape, "float32"))
+        self.accum_variance.assign(ops.zeros(self.accum_variance.shape, "float32"))
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         """Normalise with micro-batch statistics in training, moving statistics otherwise."""
@@ -98,6 +129,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=False, mask=mask)
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         x = ops.cast(inputs, compute_dtype)
+        # Reduction axes of this call's rank; BatchNormalization's own helpers read them here.
+        object.__setattr__(self, "_reduction_axes", self._axes_of(len(x.shape)))
         mean, variance = self._moments(x, mask)
         self._merge_and_update(mean, variance, self._count(x, mask))
         gamma = ops.cast(self.gamma, x.dtype) if self.scale else None
@@ -107,6 +140,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
+
+    def _axes_of(self, rank: int) -> list[int]:
+        """Every axis but the channel axis, for an input of ``rank``."""
+        channel = self.axis % rank
+        return [a for a in range(rank) if a != channel]
 
     def _count(self, x: Any, mask: Any) -> Any:
         """Values per channel in this micro-batch."""

@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras._compat import warn_deprecated
 from gradient_accumulator.keras.agc import check_agc_args
 from gradient_accumulator.keras.callbacks import FlushAccumulation, find_accumulator
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
@@ -75,6 +76,9 @@ class GradientAccumulateModel(keras.Model):
         agc_exclude: Any = "final",
         **kwargs: Any,
     ) -> None:
+        if "agc" in kwargs:  # the name 0.5's README used for use_agc
+            warn_deprecated("GradientAccumulateModel(agc=...)", "use use_agc")
+            use_agc = kwargs.pop("agc")
         accum_steps = _checks.check_accum_steps(accum_steps)
         mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
         use_agc = _checks.check_bool(use_agc, "use_agc")
@@ -82,6 +86,11 @@ class GradientAccumulateModel(keras.Model):
         experimental_distributed_support = _checks.check_bool(
             experimental_distributed_support, "experimental_distributed_support"
         )
+        if experimental_distributed_support:
+            warn_deprecated(
+                "experimental_distributed_support=True",
+                "it has no effect; distribution works with any strategy without a switch",
+            )
         leftover = _checks.check_leftover(leftover)
         super().__init__(*args, **kwargs)
         self.accum_steps = accum_steps

@@ -19,6 +19,7 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator.keras import _checks
+from gradient_accumulator.keras._compat import warn_deprecated
 from gradient_accumulator.keras.agc import check_agc_args, clip_one
 
 __all__ = ["GradientAccumulateOptimizer"]
@@ -28,6 +29,17 @@ _FORBIDDEN_ON_WRAPPER = (
     "weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
     "gradient_accumulation_steps", "learning_rate",
 )
+# Base-optimizer arguments at their defaults, as older configs of the wrapper hold them.
+_BASE_DEFAULTS = {
+    "weight_decay": None, "use_ema": False, "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+_IGNORED_FROM_0_5 = {
+    "lr": "it has no effect; set learning_rate on the inner optimizer",
+    "decay": "it has no effect; give the inner optimizer a "
+    "keras.optimizers.schedules.LearningRateSchedule as learning_rate",
+}
 # Own scalar state, in the order the variables are created (after the base class's iteration
 # counter and learning-rate variable): the JAX path reads them back by position.
 _SCALARS = ("micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth")
@@ -113,7 +125,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             whenever the backend is PyTorch and the core is importable.
         **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, applied to the
             accumulated gradient at the boundary (not per micro-batch). Learning rate, weight
-            decay, EMA and loss-scale factors belong to the inner optimizer.
+            decay, EMA and loss-scale factors belong to the inner optimizer. 0.5's ``lr`` and
+            ``decay``, which it ignored, warn with ``DeprecationWarning``.
 
     Example:
         >>> import numpy as np, keras
@@ -151,6 +164,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         use_agc = _checks.check_bool(use_agc, "use_agc")
         clip_factor, eps = check_agc_args(clip_factor, eps)
         leftover = _checks.check_leftover(leftover)
+        # 0.5 accepted these (Keras 2's OptimizerV2 arguments) and ignored them.
+        for key, instead in _IGNORED_FROM_0_5.items():
+            if key in kwargs:
+                kwargs.pop(key)
+                warn_deprecated(f"GradientAccumulateOptimizer({key}=...)", instead)
         for key in _FORBIDDEN_ON_WRAPPER:
             if kwargs.get(key) not in (None, False):
                 raise ValueError(
@@ -240,6 +258,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def accumulators(self) -> list[Any]:
         """The float32 gradient accumulators, one per trainable variable."""
         return list(self._accumulators)
+
+    def __getattr__(self, name: str) -> Any:
+        # 0.5's name of the accumulators. Resolved here rather than as a property so that
+        # Keras's saving, which reads every attribute dir() lists, does not trigger the warning.
+        if name == "gradients":
+            warn_deprecated("GradientAccumulateOptimizer.gradients", "use accumulators")
+            return self.accumulators
+        getter = getattr(super(), "__getattr__", None)
+        if getter is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getter(name)
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiply the loss by the current loss scale (and the inner static factor, if any)."""
@@ -422,14 +451,40 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
+        overwrite = self._overwrite_maxima(grads, trainable_variables, self._micro_step)
         if _BACKEND == "jax":
             self._jax_stateful(grads, trainable_variables)
-        elif _BACKEND == "torch" and self._core_enabled():
+        elif _BACKEND == "torch" and not overwrite and self._core_enabled():
             from gradient_accumulator.keras import _core_path
 
             _core_path.apply(self, grads, trainable_variables)
         else:
             self._stateful_apply(grads, trainable_variables)
+        if overwrite and _BACKEND != "jax":  # the JAX path does this in stateless_apply
+            boundary = ops.equal(self._micro_step, 0)
+            for var, acc, maximum in overwrite:
+                var.assign(ops.where(boundary, ops.cast(maximum, var.dtype), var))
+                acc.assign(maximum)
+
+    def _overwrite_maxima(self, grads: Sequence[Any], variables: Sequence[Any],
+                          micro_step: Any, accs: Sequence[Any] | None = None) -> list[tuple]:
+        """``(variable, accumulator, cycle maximum)`` of the ``overwrite_with_gradient`` ones.
+
+        As in Keras's own accumulation, such a variable (a float8 scale or amax history) keeps
+        its value during a cycle and is overwritten at the boundary with the elementwise maximum
+        of the cycle's gradients; the accumulator holds the running maximum, not a sum.
+        """
+        first = ops.equal(micro_step, 0)
+        out = []
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is None or not getattr(v, "overwrite_with_gradient", False):
+                continue
+            acc = (self._accumulators[self._get_variable_index(v)] if accs is None else accs[i])
+            previous = acc.value if accs is None else acc
+            g = ops.cast(g, "float32")
+            maximum = ops.where(first, g, ops.maximum(previous, g))
+            out.append((v if accs is None else i, acc, maximum))
+        return out
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         """``apply`` on ``(gradient, variable)`` pairs; returns the micro-step counter."""
@@ -574,6 +629,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         n_own = len(self._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
+        overwrite = self._overwrite_maxima(
+            grads, self._trainable_variables, own["micro_step"], own["accs"]
+        )
         grads = self._dense(grads, self._trainable_variables)
 
         first = ops.equal(own["micro_step"], 0)
@@ -590,6 +648,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables
         )
+        if overwrite:
+            new_tv, own["accs"] = list(new_tv), list(own["accs"])
+            for i, _, maximum in overwrite:
+                new_tv[i] = ops.where(
+                    boundary, ops.cast(maximum, new_tv[i].dtype), trainable_variables[i]
+                )
+                own["accs"][i] = maximum
         return new_tv, self._pack(optimizer_variables, own, new_inner)
 
     def _stateless_cycle_end(
@@ -729,7 +794,25 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
         """Inverse of :meth:`get_config`."""
         config = copy.deepcopy(config)
-        config["optimizer"] = keras.saving.deserialize_keras_object(
-            config["optimizer"], custom_objects=custom_objects
-        )
+        # Configs written by older versions carry the base optimizer's arguments at their
+        # defaults (and the unused wrapper learning rate); those mean nothing here. Other
+        # values still reach __init__, which refuses them.
+        config.pop("learning_rate", None)
+        for key, default in _BASE_DEFAULTS.items():
+            if key in config and config[key] == default:
+                del config[key]
+        inner = config["optimizer"]
+        if isinstance(inner, dict) and "module" not in inner:
+            # 0.5 wrote tf.keras 2 configs ({"class_name": "SGD", "config": {...}}), whose
+            # decay=0.0 meant "no decay".
+            inner = copy.deepcopy(inner)
+            if inner.get("config", {}).get("decay", None) == 0.0:
+                del inner["config"]["decay"]
+            config["optimizer"] = keras.optimizers.deserialize(
+                inner, custom_objects=custom_objects
+            )
+        else:
+            config["optimizer"] = keras.saving.deserialize_keras_object(
+                inner, custom_objects=custom_objects
+            )
         return cls(**config)
