@@ -54,13 +54,16 @@ def _no_merge_call() -> bool:
 
 
 def _strategy() -> Any:
-    """The active tf.distribute strategy when it has more than one replica, else None."""
+    """The active tf.distribute strategy (any number of replicas), or None for the default one.
+
+    A one-replica ``MirroredStrategy`` still runs the step in a replica context whose
+    optimizer updates go through ``merge_call``, so it takes the distributed path too.
+    """
     if _BACKEND != "tensorflow":
         return None
     import tensorflow as tf
 
-    strategy = tf.distribute.get_strategy()
-    return strategy if strategy.num_replicas_in_sync > 1 else None
+    return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
