@@ -9,6 +9,7 @@ per micro-step, one fused apply per cycle).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from collections.abc import Iterable, Sequence
@@ -64,6 +65,21 @@ def _strategy() -> Any:
     import tensorflow as tf
 
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+
+
+def _after(tensors: Sequence[Any]) -> Any:
+    """A context in which the ops created run only after ``tensors`` are computed (TensorFlow).
+
+    In a ``tf.function`` the counter updates do not read the batch, so nothing orders them
+    after the iterator's ``get_next``: on a dataset of unknown size, the step Keras runs on the
+    exhausted iterator would tick them (a phantom micro-step) before the end-of-data error
+    stops it. Tying them to the gradients makes every micro-step all-or-nothing.
+    """
+    if _BACKEND != "tensorflow":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    return tf.control_dependencies([t for t in tensors if tf.is_tensor(t)])
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -457,6 +473,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
         grads = self._dense(grads, variables)
+        self._stateful_fold(grads, variables)
+        # Every op below reads a counter written after the batch, so it is ordered after it.
+        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables)
+
+    def _stateful_fold(self, grads: list[Any], variables: list[Any]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         first = ops.equal(self._micro_step, 0)
         w = self._weight(self._batch_weight)
@@ -466,10 +487,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.mixed_precision:
             bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
             self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
-        self._total_weight.assign(w_before + w)
-        self._micro_step.assign_add(1)
-        self._iterations.assign_add(1)
-        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables)
+        with _after(grads[:1]):
+            self._total_weight.assign(w_before + w)
+            self._micro_step.assign_add(1)
+            self._iterations.assign_add(1)
 
     def _end_cycle(self, boundary: Any, variables: list[Any]) -> None:
         """If ``boundary``: update (unless the cycle was non-finite), rescale, reset counters.
