@@ -275,12 +275,26 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------------------------------- build
 
-    @no_automatic_dependency_tracking
     def build(self, var_list: Sequence[Any]) -> None:
         """Create the accumulators and counters, then build the inner optimizer."""
         if self.built:
             return
         var_list = list(var_list)
+        self._build_own(var_list)
+        # The inner optimizer builds with attribute tracking on, as it would alone: state kept
+        # in plain attributes (Nadam's ``_u_product``) must be among its variables, or it is
+        # neither updated statelessly (JAX) nor saved.
+        self.optimizer.build(var_list)
+        self._finish_build(var_list)
+
+    @no_automatic_dependency_tracking
+    def _finish_build(self, var_list: list[Any]) -> None:
+        super().build(var_list)
+        self._agc_mask = self._resolve_agc_mask(var_list)
+
+    @no_automatic_dependency_tracking
+    def _build_own(self, var_list: list[Any]) -> None:
+        """Counters, loss scale and one float32 accumulator per variable."""
         initial = {"batch_weight": 1.0, "loss_scale": self.initial_scale}
         for name in _SCALARS:
             int_like = name in ("micro_step", "growth")
@@ -318,9 +332,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     )
                 self._track_variable(acc)
             self._accumulators.append(acc)
-        self.optimizer.build(var_list)
-        super().build(var_list)
-        self._agc_mask = self._resolve_agc_mask(var_list)
 
     def _resolve_agc_mask(self, var_list: list[Any]) -> list[bool]:
         """True for each variable AGC clips."""
