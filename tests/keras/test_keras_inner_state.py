@@ -51,7 +51,7 @@ def _grads(step):
 
 
 def _same(actual, desired, what):
-    """Bit for bit; on JAX to a few float32 ulps (1e-6), because the wrapper's update is compiled in a
+    """Bit for bit; on JAX to a few float32 ulps (1e-6): the wrapper's update is compiled in a
     ``lax.cond`` (XLA fuses and reorders) while the plain optimizer's runs op by op."""
     actual, desired = np.asarray(actual), np.asarray(desired)
     if BACKEND == "jax":
