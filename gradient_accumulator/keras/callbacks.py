@@ -8,7 +8,7 @@ import keras
 
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 
-__all__ = ["FlushAccumulation"]
+__all__ = ["FlushAccumulation", "flush_batchnorm"]
 
 
 def find_accumulator(optimizer: Any) -> GradientAccumulateOptimizer | None:
@@ -55,3 +55,17 @@ class FlushAccumulation(keras.callbacks.Callback):
         if keras.backend.backend() == "jax" and hasattr(self.model, "jax_state_sync"):
             self.model.jax_state_sync()
         opt.flush()
+        flush_batchnorm(self.model)
+
+
+def flush_batchnorm(model: Any) -> int:
+    """Flush every :class:`AccumBatchNormalization` layer of ``model`` (see its ``flush``).
+
+    Returns:
+        The number of layers that had a short cycle pending.
+    """
+    from gradient_accumulator.keras.layers import AccumBatchNormalization
+
+    layers = model._flatten_layers(include_self=False) if model is not None else []
+    return sum(bool(layer.flush()) for layer in layers
+               if isinstance(layer, AccumBatchNormalization))

@@ -191,6 +191,28 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.accum_count.assign(n)
         self.accum_step.assign(ops.where(boundary, ops.zeros_like(step), step))
 
+    def flush(self) -> bool:
+        """Give the moving statistics the update of a cycle cut short (end of data), now.
+
+        Keeps the statistics in phase with the optimizer, whose flush applies the same short
+        cycle: the moving mean and variance take one update with the merged moments of the
+        pending micro-batches, as a ``BatchNormalization`` seeing them as one batch would.
+        Call it outside compiled functions (:class:`FlushAccumulation` does, for every such
+        layer of the model).
+
+        Returns:
+            True if micro-batches were pending.
+        """
+        if not self.built or int(ops.convert_to_numpy(self.accum_step)) == 0:
+            return False
+        momentum = self.momentum
+        for moving, merged in ((self.moving_mean, self.accum_mean),
+                               (self.moving_variance, self.accum_variance)):
+            value = ops.cast(moving.value, "float32") * momentum + merged.value * (1.0 - momentum)
+            moving.assign(ops.cast(value, moving.dtype))
+        self.accum_step.assign(0)
+        return True
+
     def get_config(self) -> dict[str, Any]:
         """``BatchNormalization``'s config plus ``accum_steps``."""
         config = super().get_config()

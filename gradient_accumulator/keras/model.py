@@ -10,7 +10,11 @@ from keras import ops
 from gradient_accumulator.keras import _checks
 from gradient_accumulator.keras._compat import warn_deprecated
 from gradient_accumulator.keras.agc import check_agc_args
-from gradient_accumulator.keras.callbacks import FlushAccumulation, find_accumulator
+from gradient_accumulator.keras.callbacks import (
+    FlushAccumulation,
+    find_accumulator,
+    flush_batchnorm,
+)
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["GradientAccumulateModel"]
@@ -198,6 +202,7 @@ class GradientAccumulateModel(keras.Model):
             return opt.flush()
         finally:
             opt.leftover = leftover
+            flush_batchnorm(self)
 
     def reinit_grad_accum(self) -> None:
         """Discard the pending micro-batches (the next one starts a new cycle)."""

@@ -9,6 +9,7 @@ per micro-step, one fused apply per cycle).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from collections.abc import Iterable, Sequence
@@ -66,13 +67,31 @@ def _no_merge_call() -> bool:
 
 
 def _strategy() -> Any:
-    """The active tf.distribute strategy when it has more than one replica, else None."""
+    """The active tf.distribute strategy (any number of replicas), or None for the default one.
+
+    A one-replica ``MirroredStrategy`` still runs the step in a replica context whose
+    optimizer updates go through ``merge_call``, so it takes the distributed path too.
+    """
     if _BACKEND != "tensorflow":
         return None
     import tensorflow as tf
 
-    strategy = tf.distribute.get_strategy()
-    return strategy if strategy.num_replicas_in_sync > 1 else None
+    return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+
+
+def _after(tensors: Sequence[Any]) -> Any:
+    """A context in which the ops created run only after ``tensors`` are computed (TensorFlow).
+
+    In a ``tf.function`` the counter updates do not read the batch, so nothing orders them
+    after the iterator's ``get_next``: on a dataset of unknown size, the step Keras runs on the
+    exhausted iterator would tick them (a phantom micro-step) before the end-of-data error
+    stops it. Tying them to the gradients makes every micro-step all-or-nothing.
+    """
+    if _BACKEND != "tensorflow":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    return tf.control_dependencies([t for t in tensors if tf.is_tensor(t)])
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -285,12 +304,26 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------------------------------- build
 
-    @no_automatic_dependency_tracking
     def build(self, var_list: Sequence[Any]) -> None:
         """Create the accumulators and counters, then build the inner optimizer."""
         if self.built:
             return
         var_list = list(var_list)
+        self._build_own(var_list)
+        # The inner optimizer builds with attribute tracking on, as it would alone: state kept
+        # in plain attributes (Nadam's ``_u_product``) must be among its variables, or it is
+        # neither updated statelessly (JAX) nor saved.
+        self.optimizer.build(var_list)
+        self._finish_build(var_list)
+
+    @no_automatic_dependency_tracking
+    def _finish_build(self, var_list: list[Any]) -> None:
+        super().build(var_list)
+        self._agc_mask = self._resolve_agc_mask(var_list)
+
+    @no_automatic_dependency_tracking
+    def _build_own(self, var_list: list[Any]) -> None:
+        """Counters, loss scale and one float32 accumulator per variable."""
         initial = {"batch_weight": 1.0, "loss_scale": self.initial_scale}
         for name in _SCALARS:
             int_like = name in ("micro_step", "growth")
@@ -328,9 +361,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     )
                 self._track_variable(acc)
             self._accumulators.append(acc)
-        self.optimizer.build(var_list)
-        super().build(var_list)
-        self._agc_mask = self._resolve_agc_mask(var_list)
 
     def _resolve_agc_mask(self, var_list: list[Any]) -> list[bool]:
         """True for each variable AGC clips."""
@@ -509,6 +539,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
         grads = self._dense(grads, variables)
+        self._stateful_fold(grads, variables)
+        # Every op below reads a counter written after the batch, so it is ordered after it.
+        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables)
+
+    def _stateful_fold(self, grads: list[Any], variables: list[Any]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         first = ops.equal(self._micro_step, 0)
         w = self._weight(self._batch_weight)
@@ -518,10 +553,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.mixed_precision:
             bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
             self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
-        self._total_weight.assign(w_before + w)
-        self._micro_step.assign_add(1)
-        self._iterations.assign_add(1)
-        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables)
+        with _after(grads[:1]):
+            self._total_weight.assign(w_before + w)
+            self._micro_step.assign_add(1)
+            self._iterations.assign_add(1)
 
     def _end_cycle(self, boundary: Any, variables: list[Any]) -> None:
         """If ``boundary``: update (unless the cycle was non-finite), rescale, reset counters.
