@@ -54,3 +54,34 @@ def test_short_last_cycle_gives_big_batch_statistics(wrapper):
     assert rel_diff(_moving(model), _moving(ref)) <= TOL
     layer = next(lay for lay in model.layers if isinstance(lay, AccumBatchNormalization))
     assert int(np.asarray(layer.accum_step)) == 0
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="tf.data.Dataset.from_generator (a dataset of unknown size) is TF's")
+def test_dataset_of_unknown_size_keeps_statistics_in_phase():
+    # Keras runs one more step on the exhausted iterator of a dataset of unknown size: the layer's
+    # micro-step counter must not move in it, or its statistics drift out of phase.
+    import tensorflow as tf
+
+    x, y = data(N)
+    inputs, outputs = mlp(bn=keras.layers.BatchNormalization, momentum=MOMENTUM)
+    ref = keras.Model(inputs, outputs)
+    ref.compile(keras.optimizers.SGD(0.0), loss="mse")
+    ref.fit(x, y, batch_size=ACCUM * MICRO, epochs=2, shuffle=False, verbose=0)
+
+    def gen():
+        for i in range(0, N, MICRO):
+            yield x[i : i + MICRO], y[i : i + MICRO]
+
+    spec = (tf.TensorSpec((None, x.shape[1]), tf.float32), tf.TensorSpec((None, y.shape[1]),
+                                                                          tf.float32))
+    ds = tf.data.Dataset.from_generator(gen, output_signature=spec)
+    assert int(ds.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    inputs, outputs = mlp(bn=AccumBatchNormalization, accum_steps=ACCUM, momentum=MOMENTUM)
+    model = GradientAccumulateModel(accum_steps=ACCUM, inputs=inputs, outputs=outputs)
+    model.compile(keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(ds, epochs=2, verbose=0)
+
+    assert rel_diff(_moving(model), _moving(ref)) <= TOL
+    layer = next(lay for lay in model.layers if isinstance(lay, AccumBatchNormalization))
+    assert int(np.asarray(layer.accum_step)) == 0

@@ -16,14 +16,9 @@ from gradient_accumulator.keras import GradientAccumulateOptimizer
 
 BACKEND = keras.backend.backend()
 
-# Keras's test_gradient_accumulation_with_weigth_decay list. Known failure, fixed separately:
-# Nadam's extra state is not tracked through the inner optimizer's build, and on JAX it then
-# never updates (strict, so the mark must go when the fix lands).
+# Keras's test_gradient_accumulation_with_weigth_decay list.
 ALL_OPTIMIZERS = ["adam", "sgd", "adamw", "adagrad", "rmsprop", "adadelta", "adamax", "lion",
-                  pytest.param("nadam", marks=pytest.mark.xfail(
-                      keras.backend.backend() == "jax", strict=True,
-                      reason="Nadam's _u_product untracked on JAX (issue 16, item 6)")),
-                  "ftrl", "adafactor"]
+                  "nadam", "ftrl", "adafactor"]
 
 
 def _np(x):

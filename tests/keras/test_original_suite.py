@@ -27,11 +27,6 @@ from gradient_accumulator.utils import replace_batchnorm_layers
 
 BACKEND = keras.backend.backend()
 TOL = 1e-5  # max|Δw| / max|w| against the big batch, float32
-# Known failure, fixed separately: the optimizer's cycle under a one-replica MirroredStrategy
-# (merge_call inside a conditional). Strict, so the mark must go when the fix lands.
-ONE_REPLICA = pytest.mark.xfail(
-    strict=True, reason="one-replica MirroredStrategy fails in the cycle (issue 16, item 1)"
-)
 
 
 def _digits(n=160):
@@ -111,7 +106,7 @@ def test_optimizer_invariance(wrapper, opt_name):
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute exists on TensorFlow only")
 @pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
-@pytest.mark.parametrize("strategy", ["default", pytest.param("mirrored-1", marks=ONE_REPLICA)])
+@pytest.mark.parametrize("strategy", ["default", "mirrored-1"])
 def test_optimizer_distribute(strategy, opt_name):
     """test_optimizer_distribute: the default strategy and a one-replica MirroredStrategy."""
     import tensorflow as tf
@@ -125,7 +120,6 @@ def test_optimizer_distribute(strategy, opt_name):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute exists on TensorFlow only")
-@ONE_REPLICA
 def test_model_distribute(tmp_path):
     """test_model_distribute: one-replica MirroredStrategy, model wrapper, k=4, save/load (0.5
     needed experimental_distributed_support=True; it now only warns)."""
