@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "gradient_accumulator/gradient_accumulator.h"
@@ -886,7 +888,10 @@ TEST_F(ApplyBadInput, HyperParameters) {
     ga_apply_options o = adam_;
     c.edit(o);
     ga_apply_tensors t = b_.tensors();
-    if (o.optimizer == kGaOptimizerNone) t.grads_out = {nullptr, 0};  // in place
+    // A case may hold an out-of-range optimizer value: read it as its integer, as the core does.
+    std::underlying_type_t<ga_optimizer> optimizer;
+    std::memcpy(&optimizer, &o.optimizer, sizeof optimizer);
+    if (optimizer == kGaOptimizerNone) t.grads_out = {nullptr, 0};  // in place
     ExpectFail(&o, kGaInvalidArgument, {c.argument}, &t);
   }
 }
