@@ -68,18 +68,16 @@ class _InterruptGate:
     On the first step in the main thread, the process's Python-level SIGINT handler (if it has
     one) is wrapped once: outside a step the wrapper calls it at once; inside one it records the
     signal, and the step calls it on the way out. Entering and leaving a step then costs a
-    counter update, not a ``signal.signal`` call. A handler installed later replaces the
-    wrapper, and interrupts are then no longer held.
+    counter update, not a ``signal.signal`` call. A handler installed later (by a trainer, say)
+    is wrapped in turn at the next step.
     """
 
     def __init__(self) -> None:
         self.depth = 0
         self.pending: tuple[int, Any] | None = None
         self.inner: Callable[..., Any] | None = None
-        self.tried = False
 
     def install(self) -> None:
-        self.tried = True
         current = signal.getsignal(signal.SIGINT)
         if callable(current) and not isinstance(current, _InterruptGate):
             self.inner = current
@@ -94,7 +92,9 @@ class _InterruptGate:
     def __enter__(self) -> _InterruptGate:
         # Only the main thread receives KeyboardInterrupt: steps elsewhere hold nothing.
         if threading.get_ident() == _MAIN_THREAD:
-            if not self.tried:
+            # Another library (a trainer's signal connector, say) may have replaced or restored
+            # the handler since: wrap whatever is current again (one dict lookup per step).
+            if signal.getsignal(signal.SIGINT) is not self:
                 self.install()
             self.depth += 1
         return self
