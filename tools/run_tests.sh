@@ -12,5 +12,11 @@ run() { python -m pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.tom
 run . --ignore=keras "$@"
 for backend in torch jax tensorflow; do
   echo "== Keras tests, KERAS_BACKEND=$backend =="
-  KERAS_BACKEND=$backend run keras "$@"
+  # The files that build tf.distribute strategies run in interpreters of their own: on TensorFlow,
+  # strategies over the same devices in one process can pair one model's collectives with
+  # another's (each file passes alone; together they failed with InvalidArgumentError).
+  KERAS_BACKEND=$backend run keras --ignore=keras/test_keras_cycle_fidelity.py \
+    --ignore=keras/test_original_suite.py "$@"
+  KERAS_BACKEND=$backend run keras/test_keras_cycle_fidelity.py "$@"
+  KERAS_BACKEND=$backend run keras/test_original_suite.py "$@"
 done
