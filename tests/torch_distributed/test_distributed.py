@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
-import traceback
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gloo_harness import init_gloo, reporting_errors, run_ranks, spawn  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradient_accumulator.torch import (  # noqa: E402
@@ -29,12 +27,6 @@ from gradient_accumulator.torch import (  # noqa: E402
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs Gloo")
 
 TOL = 1e-5  # max|Δw| / max|w| against the single-process big batch, fp32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sizes(cfg: dict, cycle: int, rank: int) -> list[int]:
@@ -106,12 +98,9 @@ def _make_opt(cfg: dict, params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05)
 
 
-def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
-    try:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=cfg["world"])
+def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
+    with reporting_errors(rank, out_dir):
+        init_gloo(rank, cfg["world"], port)
         torch.manual_seed(0)
         model = _Net("accum" if cfg["bn"] else "none")
         if cfg["bn"]:
@@ -166,25 +155,10 @@ def _worker(rank: int, cfg: dict, port: int, out_dir: str) -> None:
         del model, net, opt
         gc.collect()
         dist.destroy_process_group()
-    except Exception:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def _run(cfg: dict, tmp_path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, port, str(tmp_path)))
-             for r in range(cfg["world"])]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    errors = [f.read_text() for f in tmp_path.glob("*.err")]
-    assert not errors, "\n".join(errors)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(cfg["world"])]
+    return run_ranks(_worker, cfg["world"], tmp_path, cfg, timeout_s=180)
 
 
 def _reference(cfg: dict) -> dict:
@@ -261,10 +235,7 @@ def test_accum_batchnorm_merges_across_ranks(tmp_path):
 def _failing_worker(rank: int, port: int, out_dir: str, mode: str) -> None:
     import time
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_gloo(rank, 2, port)
     model = nn.Linear(4, 2)
     opt = GradientAccumulateOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), 2, reduce_timeout=3
@@ -291,28 +262,15 @@ def _failing_worker(rank: int, port: int, out_dir: str, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["raise", "stall"])
 def test_failed_rank_gives_clear_error_not_hang(mode, tmp_path):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_failing_worker, args=(r, port, str(tmp_path), mode))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    procs[0].join(60)
+    procs = spawn(_failing_worker, 2, tmp_path, mode, timeout_s=60)
     assert procs[0].exitcode == 0
     elapsed, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert "gradient reduction failed on rank 0" in message
     assert float(elapsed) < 15.0  # the 3 s timeout (or the peer's exit), not a hang
-    for p in procs[1:]:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
 
 
 def _ddp_without_reduction_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_gloo(rank, 2, port)
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
     before = [p.detach().clone() for p in model.parameters()]
     opt = GradientAccumulateOptimizer(
@@ -333,14 +291,7 @@ def _ddp_without_reduction_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_model_with_process_group_false_is_refused(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_ddp_without_reduction_worker, args=(r, port, str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
+    spawn(_ddp_without_reduction_worker, 2, tmp_path, timeout_s=60)
     for r in range(2):
         unchanged, message = (tmp_path / f"rank{r}.txt").read_text().split("\n", 1)
         assert unchanged == "True"

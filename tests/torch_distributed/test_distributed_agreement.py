@@ -6,18 +6,15 @@ ends with the same clear error on both ranks — never a backend abort, a hang o
 
 from __future__ import annotations
 
-import datetime
 import gc
 import os
-import socket
-import traceback
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gloo_harness import init_gloo, reporting_errors, run_ranks  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradient_accumulator.torch import (  # noqa: E402
@@ -30,12 +27,6 @@ pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs Gloo
 
 TOL = 1e-5  # max|Δw| / max|w| against the single-process big batch, fp32
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Boom(torch.autograd.Function):
@@ -81,13 +72,9 @@ def _plan(rank: int, n_micro: int) -> list[torch.Tensor]:
     return out
 
 
-def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
-    try:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))
+def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
+    with reporting_errors(rank, out_dir):
+        init_gloo(rank, WORLD, port, timeout_s=60)
         torch.manual_seed(0)
         hidden = 17 if (scenario == "sizes" and rank == 1) else 16
         model = _Net(hidden, bn=scenario == "flush_empty")
@@ -147,28 +134,10 @@ def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
         del model
         gc.collect()
         dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def _run(scenario: str, tmp_path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, scenario, port, str(tmp_path)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = [f.read_text() for f in tmp_path.glob("*.err")]
-    assert not errors, "\n".join(errors)
-    assert [p.exitcode for p in procs] == [0] * WORLD  # no abort inside the backend
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, tmp_path, scenario, timeout_s=150)
 
 
 def _reference(cycles, bn=False) -> dict:
