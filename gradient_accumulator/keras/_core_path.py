@@ -19,6 +19,7 @@ import torch
 from gradient_accumulator import core
 
 _MODES = {"MEAN": "mean", "SUM": "sum", "RUNNING_MEAN": "running_mean"}
+_FLT_MAX = 3.4028234663852886e38
 
 
 class _Group(NamedTuple):
@@ -123,9 +124,12 @@ def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
         plan.accs, tensors, weight=weight, mode=_MODES[opt.reduction], weight_before=before,
         overwrite=first,
     )
-    if opt.mixed_precision:
-        bad = result.nonfinite or (not first and _scalar(opt._nonfinite) > 0)
-        opt._nonfinite.assign(1.0 if bad else 0.0)
+    if opt.mixed_precision or opt._drops_nonfinite():
+        # Sticky for the cycle; cleared at the boundary and at a cycle's first micro-step.
+        if result.nonfinite:
+            opt._nonfinite.assign(1.0)
+        elif first:
+            opt._nonfinite.assign(0.0)
     opt._total_weight.assign(before + weight)
     opt._micro_step.assign(micro + 1)
     opt._iterations.assign_add(1)
@@ -146,9 +150,16 @@ def boundary(opt: Any, variables: list[Any]) -> None:
         scale /= loss_scale
     if opt._static_scale is not None:
         scale /= float(opt._static_scale)
+    dropped = False
+    if opt._drops_nonfinite():
+        # The cycle's result is checked, not only each micro-batch: finite gradients can sum
+        # to more than float32 holds.
+        dropped = _scalar(opt._nonfinite) > 0 or not _finite_result(plan.accs, scale)
     if opt.mixed_precision and _scalar(opt._nonfinite) > 0:
         opt._loss_scale.assign(loss_scale * 0.5)
         opt._growth.assign(0)
+    elif dropped:
+        opt._skipped.assign(int(opt._skipped.value.item()) + 1)
     else:
         if plan.kind == "none":
             _generic_update(opt, plan, variables, scale)
@@ -163,6 +174,14 @@ def boundary(opt: Any, variables: list[Any]) -> None:
     opt._micro_step.assign(0)
     opt._total_weight.assign(0.0)
     opt._nonfinite.assign(0.0)
+    if dropped:
+        opt.report_nonfinite()
+
+
+def _finite_result(accs: list[torch.Tensor], scale: float) -> bool:
+    """Whether every accumulator × ``scale`` is finite in float32 (one read pass)."""
+    sumsq = float(core.sum_of_squares(accs))  # float64: overflows only past 1e308
+    return math.isfinite(sumsq) and math.sqrt(sumsq) * abs(scale) <= _FLT_MAX
 
 
 def _pick(values: list[Any] | None, index: list[int]) -> list[Any] | None:

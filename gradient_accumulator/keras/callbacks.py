@@ -27,6 +27,10 @@ class FlushAccumulation(keras.callbacks.Callback):
     ``keras.Model`` is compiled with a :class:`GradientAccumulateOptimizer`. With
     ``leftover="carry"`` it does nothing and the cycle goes on into the next epoch.
 
+    After every batch it also reports a cycle the compiled step dropped as non-finite
+    (``on_nonfinite``): a ``NonFiniteGradientWarning``, or ``NonFiniteGradientError`` out of
+    ``fit``.
+
     Example:
         >>> import numpy as np, keras
         >>> from gradient_accumulator.keras import FlushAccumulation, GradientAccumulateOptimizer
@@ -39,10 +43,24 @@ class FlushAccumulation(keras.callbacks.Callback):
     """
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        """Flush after the epoch's last batch, when the number of batches is known."""
+        """Report a dropped non-finite cycle; flush after the epoch's last batch, when the
+        number of batches is known."""
+        self._report_nonfinite()
         steps = self.params.get("steps") if self.params else None
         if steps and batch + 1 >= steps:
             self._flush()
+
+    def _report_nonfinite(self) -> None:
+        opt = find_accumulator(getattr(self.model, "optimizer", None))
+        if opt is None or not opt.built or not opt._drops_nonfinite():
+            return
+        state = getattr(self.model, "_jax_state", None)
+        if state and state.get("optimizer_variables") is not None:
+            # JAX fit keeps the current values in the trainer's state until it syncs them.
+            index = [id(v) for v in self.model.optimizer.variables].index(id(opt._skipped))
+            opt.report_nonfinite(int(state["optimizer_variables"][index]))
+        else:
+            opt.report_nonfinite()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         """Flush at the end of an epoch of unknown length (no-op when nothing is pending)."""

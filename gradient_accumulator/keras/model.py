@@ -16,6 +16,7 @@ from gradient_accumulator.keras.callbacks import (
     flush_batchnorm,
 )
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.nonfinite import check_on_nonfinite
 
 __all__ = ["GradientAccumulateModel"]
 
@@ -52,6 +53,9 @@ class GradientAccumulateModel(keras.Model):
         *args: passed to ``keras.Model``.
         leftover: ``"apply"`` or ``"carry"``, see above.
         agc_exclude: variables AGC leaves alone; see :class:`GradientAccumulateOptimizer`.
+        on_nonfinite: ``"skip"`` (default), ``"raise"`` or ``"apply"``: what a cycle whose
+            gradient holds NaN or Inf does; see :class:`GradientAccumulateOptimizer`. ``fit``
+            warns or raises at the end of the batch that ended such a cycle.
         **kwargs: passed to ``keras.Model`` (``inputs=``, ``outputs=``, ``name=``).
 
     Example:
@@ -78,6 +82,7 @@ class GradientAccumulateModel(keras.Model):
         *args: Any,
         leftover: str = "apply",
         agc_exclude: Any = "final",
+        on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
         if "agc" in kwargs:  # the name 0.5's README used for use_agc
@@ -96,6 +101,7 @@ class GradientAccumulateModel(keras.Model):
                 "it has no effect; distribution works with any strategy without a switch",
             )
         leftover = _checks.check_leftover(leftover)
+        on_nonfinite = check_on_nonfinite(on_nonfinite)
         super().__init__(*args, **kwargs)
         self.accum_steps = accum_steps
         self.mixed_precision = mixed_precision
@@ -105,6 +111,7 @@ class GradientAccumulateModel(keras.Model):
         self.experimental_distributed_support = experimental_distributed_support
         self.leftover = leftover
         self.agc_exclude = agc_exclude
+        self.on_nonfinite = on_nonfinite
 
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
         """``keras.Model.compile`` with ``optimizer`` wrapped for accumulation.
@@ -133,6 +140,7 @@ class GradientAccumulateModel(keras.Model):
                 eps=self.eps,
                 agc_exclude=self.agc_exclude,
                 leftover=self.leftover,
+                on_nonfinite=self.on_nonfinite,
             )
         kwargs["auto_scale_loss"] = False
         super().compile(wrapped, *args, **kwargs)
@@ -227,5 +235,6 @@ class GradientAccumulateModel(keras.Model):
             experimental_distributed_support=self.experimental_distributed_support,
             leftover=self.leftover,
             agc_exclude=exclude,
+            on_nonfinite=self.on_nonfinite,
         )
         return config

@@ -22,6 +22,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from gradient_accumulator.keras import _checks
 from gradient_accumulator.keras._compat import warn_deprecated
 from gradient_accumulator.keras.agc import check_agc_args, clip_one
+from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
 
 __all__ = ["GradientAccumulateOptimizer"]
 
@@ -42,8 +43,12 @@ _IGNORED_FROM_0_5 = {
     "keras.optimizers.schedules.LearningRateSchedule as learning_rate",
 }
 # Own scalar state, in the order the variables are created (after the base class's iteration
-# counter and learning-rate variable): the JAX path reads them back by position.
-_SCALARS = ("micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth")
+# counter and learning-rate variable): the JAX path reads them back by position. ``skipped``
+# counts the cycles dropped as non-finite under ``on_nonfinite`` (not the loss scaler's skips).
+_SCALARS = (
+    "micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth", "skipped",
+)
+_INT_SCALARS = ("micro_step", "growth", "skipped")
 
 
 def _resolve_inner(optimizer: Any) -> Any:
@@ -140,6 +145,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             ``"carry"`` it into the next epoch.
         initial_scale: first loss scale when ``mixed_precision``.
         dynamic_growth_steps: good updates between doublings of the loss scale.
+        on_nonfinite: what a cycle whose averaged gradient holds NaN or Inf does (without
+            ``mixed_precision``, whose loss scaler skips such cycles silently): ``"skip"``
+            (default) drops it — no update, the inner optimizer's ``iterations`` and state
+            unchanged, the next micro-batch starts a fresh cycle — and warns with
+            :class:`~gradient_accumulator.nonfinite.NonFiniteGradientWarning` on the 1st, 2nd,
+            4th, … dropped cycle; ``"raise"`` drops it and raises
+            :class:`~gradient_accumulator.nonfinite.NonFiniteGradientError`; ``"apply"`` applies
+            it as computed. Inside a compiled step the warning or error comes when control is
+            back in Python: at the end of that batch in ``fit`` (through
+            :class:`FlushAccumulation`, which :class:`GradientAccumulateModel` adds), in
+            :meth:`flush`, or from :meth:`report_nonfinite`.
         use_core: run accumulate/apply through the C++ core (PyTorch backend only). ``None``:
             whenever the backend is PyTorch and the core is importable.
         **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, applied to the
@@ -175,9 +191,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
         use_core: bool | None = None,
+        on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
         accum_steps = _checks.check_accum_steps(accum_steps)
+        on_nonfinite = check_on_nonfinite(on_nonfinite)
         reduction = _checks.check_reduction(reduction)
         mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
         use_agc = _checks.check_bool(use_agc, "use_agc")
@@ -237,6 +255,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.initial_scale = initial_scale
         self.dynamic_growth_steps = dynamic_growth_steps
         self.use_core = use_core
+        self.on_nonfinite = on_nonfinite
+        self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
+        self._reported_skips = 0
         # The inner optimizer's static loss-scale factor is taken over: scale_loss() is ours.
         self._static_scale = inner.loss_scale_factor
         inner.loss_scale_factor = None
@@ -302,6 +323,63 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """The current dynamic loss scale (1.0 without ``mixed_precision``)."""
         return self._loss_scale if self.built else self.initial_scale
 
+    @property
+    def nonfinite_skipped(self) -> int:
+        """Cycles dropped so far because their averaged gradient held NaN or Inf.
+
+        Counts the drops made under ``on_nonfinite="skip"`` or ``"raise"``, not the loss
+        scaler's skips under ``mixed_precision``.
+        """
+        return int(ops.convert_to_numpy(self._skipped)) if self.built else 0
+
+    def _drops_nonfinite(self) -> bool:
+        """Whether ``on_nonfinite`` decides about a non-finite cycle (the loss scaler does not)."""
+        return not self.mixed_precision and self.on_nonfinite != "apply"
+
+    def report_nonfinite(self, skipped: int | None = None) -> int:
+        """Warn, or raise, for the non-finite cycles dropped since the last report.
+
+        Eager ``apply`` and :meth:`flush` report by themselves; a compiled step cannot, so
+        :class:`FlushAccumulation` calls this after every batch of ``fit``.
+
+        Args:
+            skipped: the current :attr:`nonfinite_skipped`, when the caller has read it
+                (under JAX ``fit`` the callback reads it from the trainer's state).
+
+        Returns:
+            The number of cycles dropped since the last report.
+
+        Raises:
+            NonFiniteGradientError: with ``on_nonfinite="raise"``, if a cycle was dropped.
+        """
+        if not self.built or not self._drops_nonfinite():
+            return 0
+        count = self.nonfinite_skipped if skipped is None else int(skipped)
+        new, self._reported_skips = count - self._reported_skips, count
+        if new <= 0:
+            return 0
+        if self.on_nonfinite == "raise":
+            self._nonfinite_counter.raise_error()
+        for _ in range(new):
+            self._nonfinite_counter.record_skip(stacklevel=4)
+        return new
+
+    def _eager(self) -> bool:
+        """True when this call runs in Python on concrete values (not traced or compiled)."""
+        if _BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            return tf.executing_eagerly()
+        if _BACKEND == "jax":
+            import jax
+
+            return not isinstance(self._skipped.value, jax.core.Tracer)
+        if _BACKEND == "torch":
+            import torch
+
+            return not torch.compiler.is_compiling()
+        return True
+
     # -------------------------------------------------------------------------------- build
 
     def build(self, var_list: Sequence[Any]) -> None:
@@ -326,7 +404,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Counters, loss scale and one float32 accumulator per variable."""
         initial = {"batch_weight": 1.0, "loss_scale": self.initial_scale}
         for name in _SCALARS:
-            int_like = name in ("micro_step", "growth")
+            int_like = name in _INT_SCALARS
             setattr(
                 self,
                 f"_{name}",
@@ -482,12 +560,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
         overwrite = self._overwrite_maxima(grads, trainable_variables, self._micro_step)
+        core_path = _BACKEND == "torch" and not overwrite and self._core_enabled()
         if _BACKEND == "jax":
             self._jax_stateful(grads, trainable_variables)
-        elif _BACKEND == "torch" and not overwrite and self._core_enabled():
+        elif core_path:
             from gradient_accumulator.keras import _core_path
 
-            _core_path.apply(self, grads, trainable_variables)
+            _core_path.apply(self, grads, trainable_variables)  # reports a dropped cycle itself
         else:
             self._stateful_apply(grads, trainable_variables)
         if overwrite and _BACKEND != "jax":  # the JAX path does this in stateless_apply
@@ -495,6 +574,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             for var, acc, maximum in overwrite:
                 var.assign(ops.where(boundary, ops.cast(maximum, var.dtype), var))
                 acc.assign(maximum)
+        if self._drops_nonfinite() and not core_path and self._eager():
+            self.report_nonfinite()
 
     def _overwrite_maxima(self, grads: Sequence[Any], variables: Sequence[Any],
                           micro_step: Any, accs: Sequence[Any] | None = None) -> list[tuple]:
@@ -566,15 +647,29 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         strategy = _strategy()
         nonfinite = self._nonfinite.value
-        if strategy is not None and self.mixed_precision:
+        drops = self._drops_nonfinite()
+        if drops:
+            # The cycle's result itself is checked, once, at the boundary: a NaN or Inf of any
+            # micro-batch reaches it, and so does a finite sum that overflows float32.
+            accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+            scale = self._grad_scale(self._total_weight, self._loss_scale)
+            nonfinite = ops.cond(
+                boundary,
+                lambda: ops.cast(
+                    ops.logical_not(self._all_finite([a.value * scale for a in accs])), "float32"
+                ),
+                lambda: ops.convert_to_tensor(0.0, "float32"),
+            )
+        if strategy is not None and (self.mixed_precision or drops):
             import tensorflow as tf
 
             ctx = tf.distribute.get_replica_context()
+            local = nonfinite
             nonfinite = ops.cond(
-                boundary, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite),
-                lambda: nonfinite,
+                boundary, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, local),
+                lambda: local,
             )
-        skip = ops.greater(nonfinite, 0.0) if self.mixed_precision else False
+        skip = ops.greater(nonfinite, 0.0) if (self.mixed_precision or drops) else False
         do_update = ops.logical_and(boundary, ops.logical_not(skip))
         if strategy is not None and not _no_merge_call():
             import tensorflow as tf
@@ -598,6 +693,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             growth = ops.where(skip, ops.zeros_like(growth), growth)
             self._loss_scale.assign(ops.where(boundary, scale, self._loss_scale))
             self._growth.assign(ops.where(boundary, growth, self._growth))
+        if drops:
+            dropped = ops.logical_and(boundary, skip)
+            self._skipped.assign(ops.where(dropped, self._skipped + 1, self._skipped))
         self._micro_step.assign(ops.where(boundary, ops.zeros_like(self._micro_step.value),
                                           self._micro_step))
         self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
@@ -696,7 +794,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self, boundary: Any, own: dict, inner_values: list, trainable_values: list
     ) -> tuple[list, dict, list]:
         """If ``boundary``: update through the inner optimizer and reset the counters."""
-        carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite")
+        carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite", "skipped")
 
         def update() -> tuple:
             grads = self._final_grads(
@@ -712,21 +810,32 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     scale, growth = self._grown_scale(own["loss_scale"], own["growth"])
                 else:
                     scale, growth = own["loss_scale"], own["growth"]
-                return list(tv), list(inner), scale, growth
+                return list(tv), list(inner), scale, growth, own["skipped"]
 
             def bad() -> tuple:
                 return (
                     list(trainable_values), list(inner_values), own["loss_scale"] * 0.5,
-                    ops.zeros_like(own["growth"]),
+                    ops.zeros_like(own["growth"]), own["skipped"],
+                )
+
+            def dropped() -> tuple:
+                return (
+                    list(trainable_values), list(inner_values), own["loss_scale"],
+                    own["growth"], own["skipped"] + 1,
                 )
 
             if self.mixed_precision:
-                tv, inner, scale, growth = ops.cond(ops.greater(own["nonfinite"], 0.0), bad, good)
+                out = ops.cond(ops.greater(own["nonfinite"], 0.0), bad, good)
+            elif self._drops_nonfinite():
+                # The cycle's final gradient itself is checked (NaN/Inf of any micro-batch,
+                # or a sum that overflowed float32).
+                out = ops.cond(self._all_finite(grads), good, dropped)
             else:
-                tv, inner, scale, growth = good()
+                out = good()
+            tv, inner, scale, growth, skipped = out
             return (
                 tv, inner, scale, growth, ops.zeros_like(own["micro_step"]),
-                ops.zeros_like(own["total_weight"]), ops.zeros_like(own["nonfinite"]),
+                ops.zeros_like(own["total_weight"]), ops.zeros_like(own["nonfinite"]), skipped,
             )
 
         def keep() -> tuple:
@@ -793,6 +902,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )()
         else:
             self._end_cycle(ops.convert_to_tensor(True), variables)
+        self.report_nonfinite()
         return True
 
     # --------------------------------------------------------------------------- config
@@ -820,6 +930,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
             "use_core": self.use_core,
+            "on_nonfinite": self.on_nonfinite,
             "clipnorm": self.clipnorm,
             "clipvalue": self.clipvalue,
             "global_clipnorm": self.global_clipnorm,
