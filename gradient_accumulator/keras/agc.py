@@ -8,7 +8,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from gradient_accumulator.keras._checks import check_positive
+from gradient_accumulator._validation import check_agc_args
 
 __all__ = ["adaptive_clip_grad", "compute_norm", "unitwise_norm"]
 
@@ -130,8 +130,3 @@ def adaptive_clip_grad(
         g if g is None else clip_one(p, g, clip_factor, eps)
         for p, g in zip(parameters, gradients)
     ]
-
-
-def check_agc_args(clip_factor: Any, eps: Any) -> tuple[float, float]:
-    """Validate AGC's λ and ε, raising ``TypeError``/``ValueError`` naming the argument."""
-    return check_positive(clip_factor, "clip_factor"), check_positive(eps, "eps", allow_zero=True)

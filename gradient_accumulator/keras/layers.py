@@ -7,7 +7,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from gradient_accumulator.keras import _checks
+from gradient_accumulator import _validation
 from gradient_accumulator.keras._compat import warn_deprecated
 
 __all__ = ["AccumBatchNormalization"]
@@ -59,7 +59,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         scale: bool = True,
         **kwargs: Any,
     ) -> None:
-        accum_steps = _checks.check_accum_steps(accum_steps)
+        accum_steps = _validation.check_accum_steps(accum_steps)
         for key in ("renorm", "synchronized"):
             if kwargs.pop(key, False):
                 raise ValueError(f"AccumBatchNormalization does not support {key}=True")

@@ -7,9 +7,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from gradient_accumulator.keras import _checks
+from gradient_accumulator import _validation
 from gradient_accumulator.keras._compat import warn_deprecated
-from gradient_accumulator.keras.agc import check_agc_args
 from gradient_accumulator.keras.callbacks import (
     FlushAccumulation,
     find_accumulator,
@@ -88,11 +87,11 @@ class GradientAccumulateModel(keras.Model):
         if "agc" in kwargs:  # the name 0.5's README used for use_agc
             warn_deprecated("GradientAccumulateModel(agc=...)", "use use_agc")
             use_agc = kwargs.pop("agc")
-        accum_steps = _checks.check_accum_steps(accum_steps)
-        mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
-        use_agc = _checks.check_bool(use_agc, "use_agc")
-        clip_factor, eps = check_agc_args(clip_factor, eps)
-        experimental_distributed_support = _checks.check_bool(
+        accum_steps = _validation.check_accum_steps(accum_steps)
+        mixed_precision = _validation.check_bool(mixed_precision, "mixed_precision")
+        use_agc = _validation.check_bool(use_agc, "use_agc")
+        clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
+        experimental_distributed_support = _validation.check_bool(
             experimental_distributed_support, "experimental_distributed_support"
         )
         if experimental_distributed_support:
@@ -100,7 +99,7 @@ class GradientAccumulateModel(keras.Model):
                 "experimental_distributed_support=True",
                 "it has no effect; distribution works with any strategy without a switch",
             )
-        leftover = _checks.check_leftover(leftover)
+        leftover = _validation.check_choice(leftover, "leftover", ("apply", "carry"))
         on_nonfinite = check_on_nonfinite(on_nonfinite)
         super().__init__(*args, **kwargs)
         self.accum_steps = accum_steps

@@ -19,9 +19,9 @@ import keras
 from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
-from gradient_accumulator.keras import _checks
+from gradient_accumulator import _validation
 from gradient_accumulator.keras._compat import warn_deprecated
-from gradient_accumulator.keras.agc import check_agc_args, clip_one
+from gradient_accumulator.keras.agc import clip_one
 from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
 
 __all__ = ["GradientAccumulateOptimizer"]
@@ -49,6 +49,7 @@ _SCALARS = (
     "micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth", "skipped",
 )
 _INT_SCALARS = ("micro_step", "growth", "skipped")
+_REDUCTIONS = ("MEAN", "SUM", "RUNNING_MEAN")
 
 
 def _resolve_inner(optimizer: Any) -> Any:
@@ -194,13 +195,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
-        accum_steps = _checks.check_accum_steps(accum_steps)
+        accum_steps = _validation.check_accum_steps(accum_steps)
         on_nonfinite = check_on_nonfinite(on_nonfinite)
-        reduction = _checks.check_reduction(reduction)
-        mixed_precision = _checks.check_bool(mixed_precision, "mixed_precision")
-        use_agc = _checks.check_bool(use_agc, "use_agc")
-        clip_factor, eps = check_agc_args(clip_factor, eps)
-        leftover = _checks.check_leftover(leftover)
+        reduction = _validation.check_choice(reduction, "reduction", _REDUCTIONS)
+        mixed_precision = _validation.check_bool(mixed_precision, "mixed_precision")
+        use_agc = _validation.check_bool(use_agc, "use_agc")
+        clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
+        leftover = _validation.check_choice(leftover, "leftover", ("apply", "carry"))
         # 0.5 accepted these (Keras 2's OptimizerV2 arguments) and ignored them.
         for key, instead in _IGNORED_FROM_0_5.items():
             if key in kwargs:
@@ -226,10 +227,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 "the inner optimizer has gradient_accumulation_steps set; accumulate with the "
                 "wrapper's accum_steps only"
             )
-        initial_scale = _checks.check_positive(initial_scale, "initial_scale")
-        dynamic_growth_steps = _checks.check_int(dynamic_growth_steps, "dynamic_growth_steps")
+        initial_scale = _validation.check_positive(initial_scale, "initial_scale")
+        dynamic_growth_steps = _validation.check_int(dynamic_growth_steps, "dynamic_growth_steps")
         if use_core is not None:
-            use_core = _checks.check_bool(use_core, "use_core")
+            use_core = _validation.check_bool(use_core, "use_core")
             if use_core and _BACKEND != "torch":
                 raise ValueError(
                     f"use_core=True needs the torch backend; this Keras runs on {_BACKEND}"
@@ -648,9 +649,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         strategy = _strategy()
         nonfinite = self._nonfinite.value
         drops = self._drops_nonfinite()
-        if drops:
+        if drops or (self.mixed_precision and strategy is not None):
             # The cycle's result itself is checked, once, at the boundary: a NaN or Inf of any
-            # micro-batch reaches it, and so does a finite sum that overflows float32.
+            # micro-batch reaches it, and so does a finite sum that overflows float32. Under a
+            # strategy this is also the loss scaler's check: the per-micro-step flag is a
+            # first-replica variable, which would not see another replica's NaN.
             accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
             scale = self._grad_scale(self._total_weight, self._loss_scale)
             nonfinite = ops.cond(
@@ -660,7 +663,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 ),
                 lambda: ops.convert_to_tensor(0.0, "float32"),
             )
-        if strategy is not None and (self.mixed_precision or drops):
+        checks = self.mixed_precision or drops
+        merged = strategy is not None and not _no_merge_call()
+        if strategy is not None and checks and not merged:
             import tensorflow as tf
 
             ctx = tf.distribute.get_replica_context()
@@ -669,23 +674,37 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 boundary, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, local),
                 lambda: local,
             )
-        skip = ops.greater(nonfinite, 0.0) if (self.mixed_precision or drops) else False
-        do_update = ops.logical_and(boundary, ops.logical_not(skip))
-        if strategy is not None and not _no_merge_call():
+        if merged:
             import tensorflow as tf
 
-            def cross_replica(distribution: Any, do_update: Any) -> None:
-                pred = distribution.experimental_local_results(do_update)[0]
+            def cross_replica(distribution: Any, boundary: Any, local: Any) -> Any:
+                # The replicas' verdicts are summed here, in the cross-replica context (an
+                # all-reduce inside a replica's conditional would need a merge_call there),
+                # and only at the boundary: no collective on the other micro-steps.
+                at_boundary = distribution.experimental_local_results(boundary)[0]
+                skip = False
+                if checks:
+                    total = ops.cond(
+                        at_boundary,
+                        lambda: distribution.reduce(tf.distribute.ReduceOp.SUM, local, axis=None),
+                        lambda: ops.convert_to_tensor(0.0, "float32"),
+                    )
+                    skip = ops.greater(total, 0.0)
                 ops.cond(
-                    pred,
+                    ops.logical_and(at_boundary, ops.logical_not(skip)),
                     lambda: distribution.extended.call_for_each_replica(
                         self._inner_update, args=(variables,)
                     ),
                     lambda: None,
                 )
+                return skip
 
-            tf.distribute.get_replica_context().merge_call(cross_replica, args=(do_update,))
+            skip = tf.distribute.get_replica_context().merge_call(
+                cross_replica, args=(boundary, nonfinite)
+            )
         else:
+            skip = ops.greater(nonfinite, 0.0) if checks else False
+            do_update = ops.logical_and(boundary, ops.logical_not(skip))
             ops.cond(do_update, lambda: self._inner_update(variables), lambda: None)
         if self.mixed_precision:
             scale, growth = self._grown_scale(self._loss_scale.value, self._growth.value)

@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from gradient_accumulator.keras import _checks
+from gradient_accumulator import _validation
 from gradient_accumulator.keras.layers import AccumBatchNormalization
 
 __all__ = ["replace_batchnorm_layers"]
@@ -53,7 +53,7 @@ def replace_batchnorm_layers(model: Any, accum_steps: int, position: str = "repl
     """
     if position != "replace":
         raise ValueError(f"position must be 'replace', got {position!r}")
-    accum_steps = _checks.check_accum_steps(accum_steps)
+    accum_steps = _validation.check_accum_steps(accum_steps)
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
     pairs: list[tuple[Any, Any]] = []

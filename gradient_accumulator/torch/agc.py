@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from gradient_accumulator import core
+from gradient_accumulator import _validation, core
 
 __all__ = ["adaptive_clip_grad", "unitwise_norm"]
 
@@ -58,6 +58,7 @@ def adaptive_clip_grad(
         tensor([[0.1000, 0.1000],
                 [0.1000, 0.1000]])
     """
+    clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]

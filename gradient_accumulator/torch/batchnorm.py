@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradient_accumulator import core
+from gradient_accumulator import _validation, core
 
 __all__ = [
     "AccumBatchNorm1d",
@@ -54,11 +54,7 @@ class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 
     def _init_accum(self, accum_steps: Any, process_group: Any = None) -> None:
-        if isinstance(accum_steps, bool) or not isinstance(accum_steps, int):
-            raise TypeError(f"accum_steps must be an int, got {type(accum_steps).__name__}")
-        if accum_steps < 1:
-            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
-        self.accum_steps = accum_steps
+        self.accum_steps = _validation.check_accum_steps(accum_steps)
         self.process_group = process_group
         c = self.num_features
         device = self.running_mean.device if self.running_mean is not None else None
@@ -301,8 +297,7 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}")
+    accum_steps = _validation.check_accum_steps(accum_steps)
     target = _TARGETS.get(type(module))
     if target is not None:
         new = target(

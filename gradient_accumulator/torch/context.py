@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
 
+from gradient_accumulator import _validation
 from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer, unwrap_optimizer
 
 __all__ = ["accumulate"]
@@ -66,11 +66,7 @@ def accumulate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if weight is not None:
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise TypeError(f"weight must be a number, got {type(weight).__name__}")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be finite and >= 0, got {weight}")
-        optimizer._next_weight = float(weight)
+        optimizer._next_weight = _validation.check_positive(weight, "weight", allow_zero=True)
     boundary = optimizer.is_boundary_next()
     no_sync = getattr(model, "no_sync", None)
     if optimizer._distributed and no_sync is not None:

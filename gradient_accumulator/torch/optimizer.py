@@ -5,15 +5,15 @@ from __future__ import annotations
 import hashlib
 import math
 import signal
-import threading
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from gradient_accumulator import core
+from gradient_accumulator import _validation, core
 from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
 from gradient_accumulator.torch.distributed import (
     AGREE_SLOT,
@@ -45,14 +45,6 @@ class AccumulationState(NamedTuple):
     total_weight: float
     nonfinite: bool
     updates: int
-
-
-def _check_accum_steps(accum_steps: Any) -> int:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int):
-        raise TypeError(f"accum_steps must be an int, got {type(accum_steps).__name__}")
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
-    return accum_steps
 
 
 def _float(v: Any) -> float:
@@ -360,24 +352,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             )
         if isinstance(optimizer, GradientAccumulateOptimizer):
             raise TypeError("optimizer is already a GradientAccumulateOptimizer")
-        self.accum_steps = _check_accum_steps(accum_steps)
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        if leftover not in _LEFTOVERS:
-            raise ValueError(f"leftover must be one of {_LEFTOVERS}, got {leftover!r}")
+        self.accum_steps = _validation.check_accum_steps(accum_steps)
+        reduction = _validation.check_choice(reduction, "reduction", _REDUCTIONS)
+        leftover = _validation.check_choice(leftover, "leftover", _LEFTOVERS)
         if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
-                raise TypeError("max_grad_norm must be a number or None")
-            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-                raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
+            max_grad_norm = _validation.check_positive(max_grad_norm, "max_grad_norm")
+        use_agc = _validation.check_bool(use_agc, "use_agc")
         if use_agc and max_grad_norm is not None:
             raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
-        for name, value, low in (("clip_factor", clip_factor, "> 0"), ("eps", eps, ">= 0")):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            ok = value > 0 if low == "> 0" else value >= 0
-            if not (math.isfinite(value) and ok):
-                raise ValueError(f"{name} must be finite and {low}, got {value!r}")
+        clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -440,14 +423,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             self._distributed, group = False, None
         else:
             self._distributed, group = resolve_group(process_group)
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-            raise TypeError("bucket_cap_mb must be a number")
-        if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        if reduce_timeout is not None and not (
-            isinstance(reduce_timeout, (int, float)) and reduce_timeout > 0
-        ):
-            raise ValueError(f"reduce_timeout must be > 0 or None, got {reduce_timeout!r}")
+        bucket_cap_mb = _validation.check_positive(bucket_cap_mb, "bucket_cap_mb")
+        if reduce_timeout is not None:
+            reduce_timeout = _validation.check_positive(reduce_timeout, "reduce_timeout")
         plan = core.arena_plan(
             [p.numel() for p in self._params],
             bucket_numel=max(1, int(bucket_cap_mb * 2**20 // 4)),
@@ -705,11 +683,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise TypeError(f"weight must be a number, got {type(weight).__name__}")
-        weight = float(weight)
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be finite and >= 0, got {weight}")
+        weight = _validation.check_positive(weight, "weight", allow_zero=True)
         if self._overlapped:
             used = self._overlap_weight
             if weight != used and not (weight == 1.0 and self._next_weight is not None):

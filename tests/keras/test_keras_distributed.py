@@ -14,6 +14,7 @@ import pytest
 from keras_helpers import BACKEND, TOL, data, flat, make_inner, mlp, rel_diff
 
 from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+from gradient_accumulator.nonfinite import NonFiniteGradientWarning
 
 if BACKEND == "torch":
     pytest.skip("Keras has no multi-device distribution on the torch backend",
@@ -108,3 +109,37 @@ def test_save_and_load_under_distribution(tmp_path):
     assert loaded.get_config()["accum_steps"] == ACCUM
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["on_nonfinite", "loss_scale"])
+def test_a_nan_on_one_replica_drops_the_cycle_on_every_replica(mixed_precision):
+    """A NaN sample seen by one replica only: every replica skips the same cycle, so the result
+    is the run without that cycle's samples (and under loss scaling the scale halves once)."""
+    x, y = data()
+    bad = ACCUM * MICRO + 1  # second cycle, first micro-batch, second sample: replica 1
+    keep = np.r_[0 : ACCUM * MICRO, 2 * ACCUM * MICRO : len(x)]
+    ref_inputs, ref_outputs = mlp()
+    ref = keras.Model(ref_inputs, ref_outputs)
+    ref.compile(GradientAccumulateOptimizer(make_inner("Adam"), accum_steps=1), loss="mse")
+    ref.fit(x[keep], y[keep], batch_size=ACCUM * MICRO, shuffle=False, verbose=0)
+    x = x.copy()
+    x[bad, 0] = np.nan
+    _, scope = _scope()
+    with scope:
+        inputs, outputs = mlp()
+        model = GradientAccumulateModel(accum_steps=ACCUM, mixed_precision=mixed_precision,
+                                        inputs=inputs, outputs=outputs)
+        model.compile(make_inner("Adam"), loss="mse")
+    if mixed_precision:
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    else:
+        with pytest.warns(NonFiniteGradientWarning, match="1 cycle skipped"):
+            model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    opt = model.optimizer
+    if BACKEND == "jax":
+        model.jax_state_sync()
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == len(keep) // (ACCUM * MICRO)
+    assert opt.nonfinite_skipped == (0 if mixed_precision else 1)
+    if mixed_precision:
+        assert float(keras.ops.convert_to_numpy(opt.loss_scale)) == opt.initial_scale / 2
+    assert rel_diff(flat(model), flat(ref)) <= TOL
