@@ -1,7 +1,7 @@
 // Building blocks of the CUDA kernels, written once for the device and the host.
 //
 // Every kernel body in csrc/cuda is an ordinary function of (chunk, thread) marked GA_HD. nvcc
-// compiles it for the GPU, wrapped in a __global__ kernel (cuda_api.cu); a plain C++ compiler
+// compiles it for the GPU, wrapped in a __global__ kernel (launch.cuh); a plain C++ compiler
 // compiles the same body for the host, where csrc/tests/cuda_emulated_test.cc runs it block by
 // block and thread by thread against fp64 references. So the indexing, vectorisation, tails,
 // dtype conversions and reduction orders of the GPU code are tested on machines without a GPU.

@@ -1,6 +1,6 @@
 // The CUDA op families: the functors each kernel applies, and the host pipelines that validate,
 // group tensors into launches and enqueue them. The pipelines are templates over a Backend —
-// CudaBackend (cuda_api.cu) launches real kernels on a stream; the test suite's HostBackend runs
+// CudaBackend (launch.cuh) launches real kernels on a stream; the test suite's HostBackend runs
 // the same functors on the host — so everything here but the launch itself is tested without a
 // GPU.
 //
@@ -590,7 +590,17 @@ struct ApplyBase {
   int in_place;
 };
 
-template <typename B>
+/// Which optimizers an instantiation of apply() can launch, one bit per ga_optimizer. Every
+/// optimizer multiplies the kernels compiled (dtypes × momentum/reset/AGC variants), so the CUDA
+/// build instantiates disjoint sets in different translation units, which compile in parallel.
+enum OptimizerSet : unsigned {
+  kSetNone = 1u << kGaOptimizerNone,
+  kSetSGD = 1u << kGaOptimizerSGD,
+  kSetAdam = (1u << kGaOptimizerAdam) | (1u << kGaOptimizerAdamW),
+  kSetAll = kSetNone | kSetSGD | kSetAdam,
+};
+
+template <typename B, unsigned Set = kSetAll>
 ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
                 const float* skip_flag, ga_cuda_apply_stats* stats, const char* acc_name,
                 const char* param_name) {
@@ -600,6 +610,8 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     const ga_apply_tensors& t = *tp;
     const ga_apply_options& o = *op;
     detail::validate_apply(t, o, acc_name, param_name, kGaCUDA);
+    if (((1u << o.optimizer) & Set) == 0)
+      fail(kGaRuntimeError, "", "internal: this apply() was not compiled for the optimizer");
     const bool update = o.optimizer != kGaOptimizerNone;
     const bool agc = o.clip == kGaClipAgc;
     const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
@@ -689,19 +701,23 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
           using S = decltype(sv);
           switch (o.optimizer) {
             case kGaOptimizerNone:
-              visit_float(od, [&](auto ov) {
-                launch_apply<Opt::kNone, B, float, float, decltype(ov)>(b, m, nc, base, false,
-                                                                        o.reset, agc);
-              });
+              if constexpr ((Set & kSetNone) != 0)
+                visit_float(od, [&](auto ov) {
+                  launch_apply<Opt::kNone, B, float, float, decltype(ov)>(b, m, nc, base, false,
+                                                                          o.reset, agc);
+                });
               break;
             case kGaOptimizerSGD:
-              launch_apply<Opt::kSGD, B, P, S, float>(b, m, nc, base, momentum, o.reset, agc);
+              if constexpr ((Set & kSetSGD) != 0)
+                launch_apply<Opt::kSGD, B, P, S, float>(b, m, nc, base, momentum, o.reset, agc);
               break;
             case kGaOptimizerAdam:
-              launch_apply<Opt::kAdam, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
+              if constexpr ((Set & kSetAdam) != 0)
+                launch_apply<Opt::kAdam, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
               break;
             case kGaOptimizerAdamW:
-              launch_apply<Opt::kAdamW, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
+              if constexpr ((Set & kSetAdam) != 0)
+                launch_apply<Opt::kAdamW, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
               break;
           }
         });
@@ -716,7 +732,7 @@ ga_status adaptive_clip(B& b, ga_tensor_list params, ga_tensor_list grads, const
   ga_apply_tensors t;
   ga_apply_options o;
   detail::agc_as_apply(params, grads, units, clip_factor, eps, &t, &o);
-  return apply(b, &t, &o, nullptr, nullptr, "grads", "params");
+  return apply<B, kSetNone>(b, &t, &o, nullptr, nullptr, "grads", "params");
 }
 
 /// pack (to_flat) or unpack: flat[o_i : o_i + n_i] ↔ scale · list_i.

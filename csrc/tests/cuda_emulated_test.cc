@@ -4,7 +4,7 @@
 // against fp64 references in the other suites) and with fp64 references directly.
 //
 // What this cannot see: the __global__ wrappers, shared memory and warp shuffles, and the CUDA
-// runtime calls of cuda_api.cu. The GPU tests (tests/test_cuda.py) cover those on a GPU.
+// runtime calls of launch.cuh and backend.cu. The GPU tests (tests/test_cuda.py) cover those on a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
