@@ -194,8 +194,17 @@ def cross_check(shapes: list[tuple[int, ...]]) -> None:
             kw = dict(state1=s1, state2=s2, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
             if name == "sgd":
                 kw = dict(state1=s1, momentum=0.9, momentum_initialized=step > 1)
-            core.apply(op, oacc, optimizer=name, lr=LR, grad_scale=1.0 / K, max_norm=MAX_NORM,
-                       reset=True, step=step, **kw)
+            core.apply(
+                op,
+                oacc,
+                optimizer=name,
+                lr=LR,
+                grad_scale=1.0 / K,
+                max_norm=MAX_NORM,
+                reset=True,
+                step=step,
+                **kw,
+            )
             assert all(float(a.abs().max()) == 0.0 for a in oacc), "apply did not zero"
         for a, b in zip(tp, op):
             assert torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-7), f"{name} apply differs"
@@ -204,17 +213,28 @@ def cross_check(shapes: list[tuple[int, ...]]) -> None:
 # ---- one model ----
 
 
-def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup: int,
-                bw: float) -> list[dict]:
+def bench_model(
+    label: str, shapes: list[tuple[int, ...]], repeats: int, warmup: int, bw: float
+) -> list[dict]:
     n = numel(shapes)
     rows: list[dict] = []
 
     def record(op: str, res: dict[str, float], ours: str, bytes_key: str) -> None:
         floor = BYTES[bytes_key] * n / bw
         for impl, t in res.items():
-            rows.append(dict(model=label, op=op, impl=impl, ms=t * 1e3, ours=impl == ours,
-                             bytes_per_param=BYTES[bytes_key], floor_ms=floor * 1e3,
-                             x_floor=t / floor, vs_ours=t / res[ours]))
+            rows.append(
+                dict(
+                    model=label,
+                    op=op,
+                    impl=impl,
+                    ms=t * 1e3,
+                    ours=impl == ours,
+                    bytes_per_param=BYTES[bytes_key],
+                    floor_ms=floor * 1e3,
+                    x_floor=t / floor,
+                    vs_ours=t / res[ours],
+                )
+            )
 
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
@@ -225,17 +245,28 @@ def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup:
     pd = [p.detach() for p in params]
 
     # a. accumulate bf16 → fp32
-    res = timed_round_robin({
-        "torch _foreach_add_(acc, [g.float()])":
-            lambda: torch._foreach_add_(accs, [g.float() for g in grads]),
-        "torch _foreach_add_(acc, g_bf16)": lambda: torch._foreach_add_(accs, grads),
-        "core.accumulate": lambda: core.accumulate(accs, grads),
-    }, None, repeats, warmup)
+    res = timed_round_robin(
+        {
+            "torch _foreach_add_(acc, [g.float()])": lambda: torch._foreach_add_(
+                accs, [g.float() for g in grads]
+            ),
+            "torch _foreach_add_(acc, g_bf16)": lambda: torch._foreach_add_(accs, grads),
+            "core.accumulate": lambda: core.accumulate(accs, grads),
+        },
+        None,
+        repeats,
+        warmup,
+    )
     record("accumulate bf16→fp32", res, "core.accumulate", "accumulate")
-    res = timed_round_robin({
-        "torch _foreach_copy_(acc, g_bf16)": lambda: torch._foreach_copy_(accs, grads),
-        "core.accumulate(overwrite=True)": lambda: core.accumulate(accs, grads, overwrite=True),
-    }, None, repeats, warmup)
+    res = timed_round_robin(
+        {
+            "torch _foreach_copy_(acc, g_bf16)": lambda: torch._foreach_copy_(accs, grads),
+            "core.accumulate(overwrite=True)": lambda: core.accumulate(accs, grads, overwrite=True),
+        },
+        None,
+        repeats,
+        warmup,
+    )
     record("first micro-step (overwrite)", res, "core.accumulate(overwrite=True)", "overwrite")
 
     def refill() -> None:  # the accumulated gradient of a cycle (untimed)
@@ -249,16 +280,32 @@ def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup:
 
     def ours_adamw() -> None:
         step[0] += 1
-        core.apply(pd, accs, optimizer="adamw", lr=LR, weight_decay=WD, grad_scale=1.0 / K,
-                   max_norm=MAX_NORM, reset=True, state1=m, state2=v, step=step[0])
+        core.apply(
+            pd,
+            accs,
+            optimizer="adamw",
+            lr=LR,
+            weight_decay=WD,
+            grad_scale=1.0 / K,
+            max_norm=MAX_NORM,
+            reset=True,
+            state1=m,
+            state2=v,
+            step=step[0],
+        )
 
     opt_fe = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
     opt_fu = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
-    res = timed_round_robin({
-        "torch avg+clip+AdamW(foreach)+zero": torch_cycle(params, accs, opt_fe),
-        "torch avg+clip+AdamW(fused)+zero": torch_cycle(params, accs, opt_fu),
-        "core.apply(adamw)": ours_adamw,
-    }, refill, repeats, warmup)
+    res = timed_round_robin(
+        {
+            "torch avg+clip+AdamW(foreach)+zero": torch_cycle(params, accs, opt_fe),
+            "torch avg+clip+AdamW(fused)+zero": torch_cycle(params, accs, opt_fu),
+            "core.apply(adamw)": ours_adamw,
+        },
+        refill,
+        repeats,
+        warmup,
+    )
     record("apply AdamW cycle", res, "core.apply(adamw)", "apply_adamw")
     opt_fe = opt_fu = v = None  # free the state (the timed lambdas are done with it)
     gc.collect()
@@ -269,35 +316,62 @@ def bench_model(label: str, shapes: list[tuple[int, ...]], repeats: int, warmup:
     first = [True]
 
     def ours_sgd() -> None:
-        core.apply(pd, accs, optimizer="sgd", lr=LR, momentum=0.9, grad_scale=1.0 / K,
-                   max_norm=MAX_NORM, reset=True, state1=m, momentum_initialized=not first[0])
+        core.apply(
+            pd,
+            accs,
+            optimizer="sgd",
+            lr=LR,
+            momentum=0.9,
+            grad_scale=1.0 / K,
+            max_norm=MAX_NORM,
+            reset=True,
+            state1=m,
+            momentum_initialized=not first[0],
+        )
         first[0] = False
 
     opt_fe = torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=True)
     opt_fu = torch.optim.SGD(params, lr=LR, momentum=0.9, fused=True)
-    res = timed_round_robin({
-        "torch avg+clip+SGD(foreach)+zero": torch_cycle(params, accs, opt_fe),
-        "torch avg+clip+SGD(fused)+zero": torch_cycle(params, accs, opt_fu),
-        "core.apply(sgd)": ours_sgd,
-    }, refill, repeats, warmup)
+    res = timed_round_robin(
+        {
+            "torch avg+clip+SGD(foreach)+zero": torch_cycle(params, accs, opt_fe),
+            "torch avg+clip+SGD(fused)+zero": torch_cycle(params, accs, opt_fu),
+            "core.apply(sgd)": ours_sgd,
+        },
+        refill,
+        repeats,
+        warmup,
+    )
     record("apply SGD-momentum cycle", res, "core.apply(sgd)", "apply_sgd")
     opt_fe = opt_fu = m = None
     gc.collect()
 
     # c. AGC
-    res = timed_round_robin({
-        "torch per-tensor loop": lambda: torch_agc(pd, accs),
-        "core.adaptive_clip": lambda: core.adaptive_clip(pd, accs, clip_factor=AGC_LAMBDA,
-                                                         eps=AGC_EPS),
-    }, refill, repeats, warmup)
+    res = timed_round_robin(
+        {
+            "torch per-tensor loop": lambda: torch_agc(pd, accs),
+            "core.adaptive_clip": lambda: core.adaptive_clip(
+                pd, accs, clip_factor=AGC_LAMBDA, eps=AGC_EPS
+            ),
+        },
+        refill,
+        repeats,
+        warmup,
+    )
     record("AGC", res, "core.adaptive_clip", "agc")
 
     # d. global norm
-    res = timed_round_robin({
-        "torch get_total_norm(foreach)":
-            lambda: float(torch.nn.utils.get_total_norm(accs, foreach=True)),
-        "core.global_norm": lambda: core.global_norm(accs),
-    }, None, repeats, warmup)
+    res = timed_round_robin(
+        {
+            "torch get_total_norm(foreach)": lambda: float(
+                torch.nn.utils.get_total_norm(accs, foreach=True)
+            ),
+            "core.global_norm": lambda: core.global_norm(accs),
+        },
+        None,
+        repeats,
+        warmup,
+    )
     record("global norm", res, "core.global_norm", "global_norm")
 
     grads = params = accs = pd = None
@@ -318,16 +392,23 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__,
-                torch_threads=torch.get_num_threads(),
-                torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                core_isa=core.cpu_isa(), python=platform.python_version(),
-                load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    return dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        core_isa=core.cpu_isa(),
+        python=platform.python_version(),
+        load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,
+    )
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'op':<30} {'implementation':<40} {'ms':>9} {'B/par':>5} {'floor ms':>9} "
-            f"{'x floor':>7} {'vs ours':>7}")
+    head = (
+        f"{'op':<30} {'implementation':<40} {'ms':>9} {'B/par':>5} {'floor ms':>9} "
+        f"{'x floor':>7} {'vs ours':>7}"
+    )
     model = None
     for r in rows:
         if r["model"] != model:
@@ -336,8 +417,10 @@ def print_table(rows: list[dict]) -> None:
             print(head)
             print("-" * len(head))
         mark = "*" if r["ours"] else " "
-        print(f"{r['op']:<30} {mark}{r['impl']:<39} {r['ms']:>9.2f} {r['bytes_per_param']:>5} "
-              f"{r['floor_ms']:>9.2f} {r['x_floor']:>7.2f} {r['vs_ours']:>6.2f}x")
+        print(
+            f"{r['op']:<30} {mark}{r['impl']:<39} {r['ms']:>9.2f} {r['bytes_per_param']:>5} "
+            f"{r['floor_ms']:>9.2f} {r['x_floor']:>7.2f} {r['vs_ours']:>6.2f}x"
+        )
 
 
 def main() -> None:
@@ -364,17 +447,32 @@ def main() -> None:
             continue
         # the small model's calls take ~ms: more repeats, same wall time
         reps = args.repeats if shapes is not SMALL else max(args.repeats, 30)
-        print(f"running {label}: {len(shapes)} tensors, {numel(shapes):,} parameters, "
-              f"{reps} repeats ...", flush=True)
+        print(
+            f"running {label}: {len(shapes)} tensors, {numel(shapes):,} parameters, "
+            f"{reps} repeats ...",
+            flush=True,
+        )
         rows += bench_model(label, shapes, reps, args.warmup, bw)
     print_table(rows)
-    print("\n* = ours; 'vs ours' = time / our time (> 1: ours is faster); floor = bytes per "
-          "parameter x parameters / in-place add bandwidth")
+    print(
+        "\n* = ours; 'vs ours' = time / our time (> 1: ours is faster); floor = bytes per "
+        "parameter x parameters / in-place add bandwidth"
+    )
     print(f"total benchmark time {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=info, copy_bandwidth_gbs=bw / 1e9, k=K,
-                           repeats=args.repeats, warmup=args.warmup, results=rows), f, indent=1)
+            json.dump(
+                dict(
+                    machine=info,
+                    copy_bandwidth_gbs=bw / 1e9,
+                    k=K,
+                    repeats=args.repeats,
+                    warmup=args.warmup,
+                    results=rows,
+                ),
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
 
 

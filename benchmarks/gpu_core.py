@@ -82,8 +82,12 @@ MODELS = {"gpt2-small (124M)": GPT2_SMALL, "gpt2-1B": GPT2_1B, "small (1.1M)": S
 DEV = torch.device("cuda")
 
 
-def timed(impls: dict[str, Callable[[], object]], setup: Callable[[], None] | None,
-          repeats: int, warmup: int) -> dict[str, float]:
+def timed(
+    impls: dict[str, Callable[[], object]],
+    setup: Callable[[], None] | None,
+    repeats: int,
+    warmup: int,
+) -> dict[str, float]:
     """Median seconds per call (CUDA events), implementations interleaved per repeat."""
     times: dict[str, list[float]] = {k: [] for k in impls}
     for r in range(warmup + repeats):
@@ -135,8 +139,18 @@ def cross_check() -> None:
             p.grad = x.float() * step
             oacc.append(p.grad.clone())
         torch_cycle(tp, [p.grad for p in tp], opt)()
-        core.apply(op, oacc, optimizer="adamw", lr=LR, weight_decay=WD, grad_scale=1.0 / K,
-                   max_norm=MAX_NORM, state1=m, state2=v, step=step)
+        core.apply(
+            op,
+            oacc,
+            optimizer="adamw",
+            lr=LR,
+            weight_decay=WD,
+            grad_scale=1.0 / K,
+            max_norm=MAX_NORM,
+            state1=m,
+            state2=v,
+            step=step,
+        )
     for a, b in zip(tp, op):
         assert torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-7), "AdamW apply differs"
 
@@ -148,8 +162,18 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
     def record(op: str, res: dict[str, float], ours: str, key: str) -> None:
         floor = BYTES[key] * n / bw
         for impl, t in res.items():
-            rows.append(dict(model=label, op=op, impl=impl, ms=t * 1e3, ours=impl == ours,
-                             floor_ms=floor * 1e3, x_floor=t / floor, vs_ours=t / res[ours]))
+            rows.append(
+                dict(
+                    model=label,
+                    op=op,
+                    impl=impl,
+                    ms=t * 1e3,
+                    ours=impl == ours,
+                    floor_ms=floor * 1e3,
+                    x_floor=t / floor,
+                    vs_ours=t / res[ours],
+                )
+            )
 
     g = torch.Generator(device=DEV).manual_seed(0)
     grads = [torch.randn(s, generator=g, device=DEV).bfloat16() for s in shapes]
@@ -159,10 +183,15 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
         p.grad = a
     pd = [p.detach() for p in params]
 
-    res = timed({
-        "torch _foreach_add_(acc, g_bf16)": lambda: torch._foreach_add_(accs, grads),
-        "core.accumulate": lambda: core.accumulate(accs, grads),
-    }, None, repeats, warmup)
+    res = timed(
+        {
+            "torch _foreach_add_(acc, g_bf16)": lambda: torch._foreach_add_(accs, grads),
+            "core.accumulate": lambda: core.accumulate(accs, grads),
+        },
+        None,
+        repeats,
+        warmup,
+    )
     record("accumulate bf16→fp32", res, "core.accumulate", "accumulate")
 
     def refill() -> None:
@@ -175,26 +204,48 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
 
     def ours() -> None:
         step[0] += 1
-        core.apply(pd, accs, optimizer="adamw", lr=LR, weight_decay=WD, grad_scale=1.0 / K,
-                   max_norm=MAX_NORM, reset=True, state1=m, state2=v, step=step[0])
+        core.apply(
+            pd,
+            accs,
+            optimizer="adamw",
+            lr=LR,
+            weight_decay=WD,
+            grad_scale=1.0 / K,
+            max_norm=MAX_NORM,
+            reset=True,
+            state1=m,
+            state2=v,
+            step=step[0],
+        )
 
     opt_fe = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
     opt_fu = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
-    res = timed({
-        "torch avg+clip+AdamW(foreach)+zero": torch_cycle(params, accs, opt_fe),
-        "torch avg+clip+AdamW(fused)+zero": torch_cycle(params, accs, opt_fu),
-        "core.apply(adamw, max_norm)": ours,
-    }, refill, repeats, warmup)
+    res = timed(
+        {
+            "torch avg+clip+AdamW(foreach)+zero": torch_cycle(params, accs, opt_fe),
+            "torch avg+clip+AdamW(fused)+zero": torch_cycle(params, accs, opt_fu),
+            "core.apply(adamw, max_norm)": ours,
+        },
+        refill,
+        repeats,
+        warmup,
+    )
     record("apply AdamW cycle", res, "core.apply(adamw, max_norm)", "apply_adamw")
     opt_fe = opt_fu = m = v = None
     gc.collect()
     torch.cuda.empty_cache()
 
-    res = timed({
-        "torch per-tensor loop": lambda: torch_agc(pd, accs),
-        "core.adaptive_clip": lambda: core.adaptive_clip(pd, accs, clip_factor=AGC_LAMBDA,
-                                                         eps=AGC_EPS),
-    }, refill, repeats, warmup)
+    res = timed(
+        {
+            "torch per-tensor loop": lambda: torch_agc(pd, accs),
+            "core.adaptive_clip": lambda: core.adaptive_clip(
+                pd, accs, clip_factor=AGC_LAMBDA, eps=AGC_EPS
+            ),
+        },
+        refill,
+        repeats,
+        warmup,
+    )
     record("AGC", res, "core.adaptive_clip", "agc")
     grads = params = accs = pd = None
     gc.collect()
@@ -210,8 +261,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(ctx, d))
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.body = nn.TransformerEncoder(layer, layers)
         self.head = nn.Linear(d, vocab)
 
@@ -234,8 +286,9 @@ def bench_step(repeats: int, warmup: int, b: int = 8, ctx: int = 256) -> dict:
         loss.backward()
 
     plain_opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    never = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
-                                        2**62)
+    never = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, fused=True), 2**62
+    )
 
     def plain_micro() -> None:
         fwd_bwd(slice(0, b))
@@ -245,8 +298,9 @@ def bench_step(repeats: int, warmup: int, b: int = 8, ctx: int = 256) -> dict:
         fwd_bwd(slice(0, b))
         never.step()
 
-    res = timed({"plain fwd+bwd": plain_micro, "fwd+bwd+accumulate": ours_micro}, None,
-                repeats, warmup)
+    res = timed(
+        {"plain fwd+bwd": plain_micro, "fwd+bwd+accumulate": ours_micro}, None, repeats, warmup
+    )
     overhead = res["fwd+bwd+accumulate"] / res["plain fwd+bwd"] - 1
 
     # Peak memory: one b step, k micro-batches of b (ours), one k·b step.
@@ -264,8 +318,9 @@ def bench_step(repeats: int, warmup: int, b: int = 8, ctx: int = 256) -> dict:
         return torch.cuda.max_memory_allocated()
 
     ref_opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    acc_opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
-                                          K)
+    acc_opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, fused=True), K
+    )
 
     def one_b() -> None:
         fwd_bwd(slice(0, b))
@@ -284,8 +339,15 @@ def bench_step(repeats: int, warmup: int, b: int = 8, ctx: int = 256) -> dict:
 
     one_b(), k_times_b()  # optimizer states exist before measuring
     mem = {"one b": peak(one_b), f"{K} x b (ours)": peak(k_times_b), f"one {K}b": peak(one_kb)}
-    return dict(params=n, micro_batch=b, ctx=ctx, ms=res, overhead=overhead, peak_bytes=mem,
-                accumulator_bytes=4 * n)
+    return dict(
+        params=n,
+        micro_batch=b,
+        ctx=ctx,
+        ms=res,
+        overhead=overhead,
+        peak_bytes=mem,
+        accumulator_bytes=4 * n,
+    )
 
 
 def main() -> None:
@@ -298,9 +360,13 @@ def main() -> None:
     if not torch.cuda.is_available() or not core.has_cuda():
         sys.exit("needs a GPU and a CUDA build of gradient-accumulator (core.has_cuda())")
     props = torch.cuda.get_device_properties(0)
-    info = dict(gpu=props.name, sms=props.multi_processor_count,
-                memory_gib=round(props.total_memory / 2**30, 1), torch=torch.__version__,
-                cuda=torch.version.cuda)
+    info = dict(
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        memory_gib=round(props.total_memory / 2**30, 1),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+    )
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     cross_check()
     print("cross-check: core and torch agree on the device")
@@ -319,25 +385,34 @@ def main() -> None:
         if r["model"] != model:
             model = r["model"]
             print(f"\n== {model} ==\n{head}\n{'-' * len(head)}")
-        print(f"{r['op']:<24} {'*' if r['ours'] else ' '}{r['impl']:<37} {r['ms']:>8.3f} "
-              f"{r['floor_ms']:>7.3f} {r['x_floor']:>7.2f} {r['vs_ours']:>6.2f}x")
+        print(
+            f"{r['op']:<24} {'*' if r['ours'] else ' '}{r['impl']:<37} {r['ms']:>8.3f} "
+            f"{r['floor_ms']:>7.3f} {r['x_floor']:>7.2f} {r['vs_ours']:>6.2f}x"
+        )
     step = None
     if not args.small:
         step = bench_step(args.repeats, args.warmup)
-        print(f"\n== transformer step ({step['params']:,} parameters, micro-batch "
-              f"{step['micro_batch']}x{step['ctx']}, bf16 autocast) ==")
+        print(
+            f"\n== transformer step ({step['params']:,} parameters, micro-batch "
+            f"{step['micro_batch']}x{step['ctx']}, bf16 autocast) =="
+        )
         for k, v in step["ms"].items():
             print(f"  {k:<22} {v * 1e3:8.3f} ms")
         print(f"  accumulation overhead per micro-step: {100 * step['overhead']:+.2f}%")
         for k, v in step["peak_bytes"].items():
             print(f"  peak memory {k:<14} {v / 2**20:9.1f} MiB")
         print(f"  (fp32 accumulators: {step['accumulator_bytes'] / 2**20:.1f} MiB)")
-    print(f"\n* = ours; floor = bytes per parameter x parameters / copy bandwidth; "
-          f"total {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\n* = ours; floor = bytes per parameter x parameters / copy bandwidth; "
+        f"total {time.perf_counter() - t0:.0f} s"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=info, copy_bandwidth_tbs=bw / 1e12, k=K, results=rows,
-                           step=step), f, indent=1)
+            json.dump(
+                dict(machine=info, copy_bandwidth_tbs=bw / 1e12, k=K, results=rows, step=step),
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
 
 

@@ -95,8 +95,9 @@ def run_backend(args: argparse.Namespace) -> dict:
         fit(model)
     ref = flat(models["builtin"])
     # The plain run updates every batch: its (large) difference shows that the check can fail.
-    check = {kind: float(np.abs(flat(m) - ref).max() / np.abs(ref).max())
-             for kind, m in models.items()}
+    check = {
+        kind: float(np.abs(flat(m) - ref).max() / np.abs(ref).max()) for kind, m in models.items()
+    }
     times: dict[str, list[float]] = {kind: [] for kind in labels}
     for _ in range(args.repeats):
         for kind, model in models.items():
@@ -109,8 +110,12 @@ def run_backend(args: argparse.Namespace) -> dict:
         params=params,
         steps=steps,
         rows=[
-            dict(kind=kind, label=labels[kind], ms=1e3 * statistics.median(times[kind]),
-                 check=check[kind])
+            dict(
+                kind=kind,
+                label=labels[kind],
+                ms=1e3 * statistics.median(times[kind]),
+                check=check[kind],
+            )
             for kind in labels
         ],
     )
@@ -136,10 +141,14 @@ def main() -> int:
         print(json.dumps(run_backend(args)))
         return 0
 
-    print(f"machine: {platform.processor() or platform.machine()}, cores={os.cpu_count()}, "
-          f"python={platform.python_version()}")
-    print(f"micro-batch {args.batch}, k={args.accum_steps}, MLP {args.features}→"
-          f"{args.width}×{args.depth}→10, Adam; {args.repeats} repeats of one epoch each")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, cores={os.cpu_count()}, "
+        f"python={platform.python_version()}"
+    )
+    print(
+        f"micro-batch {args.batch}, k={args.accum_steps}, MLP {args.features}→"
+        f"{args.width}×{args.depth}→10, Adam; {args.repeats} repeats of one epoch each"
+    )
     results = []
     child, skip = [], False  # the same options, less --backends (and its value)
     for a in sys.argv[1:]:
@@ -149,8 +158,9 @@ def main() -> int:
         child.append(a)
     for backend in args.backends.split(","):
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-        out = subprocess.run([sys.executable, __file__, "--child", *child], env=env,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", *child], env=env, capture_output=True, text=True
+        )
         if out.returncode != 0:
             print(f"\n== {backend}: failed ==\n{out.stderr[-2000:]}")
             continue

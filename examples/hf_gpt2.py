@@ -60,16 +60,26 @@ def target_tokens(batch: dict[str, torch.Tensor]) -> int:
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], vocab: int):
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, vocab), batch["labels"][:, 1:].reshape(-1),
-        ignore_index=-100, reduction="sum",
+        logits[:, :-1].float().reshape(-1, vocab),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
     )
 
 
 def make_model(vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -86,8 +96,7 @@ def run(kind: str, cycles, vocab: int, clip: float, bf16: bool):
     model = make_model(vocab)
     opt = make_optimizer(model)
     warmup = max(1, len(cycles) // 4)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
-                else contextlib.nullcontext())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     if kind == "ours":
         acc = GradientAccumulateOptimizer(opt, len(cycles[0]), max_grad_norm=clip)
         sched = transformers.get_linear_schedule_with_warmup(acc, warmup, len(cycles))
@@ -134,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     need = args.updates * args.accum * args.batch
     if need > len(seqs):
         parser.error(f"the corpus has {len(seqs)} lines, {need} are needed")
-    micro = [pad(seqs[i:i + args.batch]) for i in range(0, need, args.batch)]
-    cycles = [micro[i:i + args.accum] for i in range(0, len(micro), args.accum)]
+    micro = [pad(seqs[i : i + args.batch]) for i in range(0, need, args.batch)]
+    cycles = [micro[i : i + args.accum] for i in range(0, len(micro), args.accum)]
     tokens = [sum(target_tokens(b) for b in c) for c in cycles]
-    print(f"GPT-2 char-level on textwrap's source: vocab {vocab}, {args.updates} updates of "
-          f"{args.accum} x {args.batch} lines, {min(tokens)}-{max(tokens)} target tokens a "
-          f"cycle, {'bf16 autocast' if args.bf16 else 'fp32'}")
+    print(
+        f"GPT-2 char-level on textwrap's source: vocab {vocab}, {args.updates} updates of "
+        f"{args.accum} x {args.batch} lines, {min(tokens)}-{max(tokens)} target tokens a "
+        f"cycle, {'bf16 autocast' if args.bf16 else 'fp32'}"
+    )
 
     # Warm-up (thread pools, first-call allocations) so the first timed run is not charged for it.
     token_loss_sum(make_model(vocab), micro[0], vocab).backward()
@@ -154,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:>22}: max|dw| from the big batch {dist:.3e}   {1e3 * t:7.1f} ms/update")
     ours = results["ours (token weights)"][0]
     ok = ours <= tol
-    print(f"ours is {'exact' if ok else 'NOT exact'} (tolerance {tol:.1e} = "
-          f"{'5e-2' if args.bf16 else '1e-5'} x max|w| {scale:.3f})")
+    print(
+        f"ours is {'exact' if ok else 'NOT exact'} (tolerance {tol:.1e} = "
+        f"{'5e-2' if args.bf16 else '1e-5'} x max|w| {scale:.3f})"
+    )
     return 0 if ok else 1
 
 

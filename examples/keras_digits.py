@@ -142,30 +142,47 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     print(f"big batch: batches of {big}")
-    reference.fit(x_train, y_train, batch_size=big, epochs=args.epochs, shuffle=False,
-                  verbose=args.verbose)
+    reference.fit(
+        x_train, y_train, batch_size=big, epochs=args.epochs, shuffle=False, verbose=args.verbose
+    )
     mid = time.perf_counter()
     print(f"accumulated: {ACCUM_STEPS} micro-batches of {MICRO_BATCH}")
-    accumulated.fit(x_train, y_train, batch_size=MICRO_BATCH, epochs=args.epochs, shuffle=False,
-                    verbose=args.verbose)
+    accumulated.fit(
+        x_train,
+        y_train,
+        batch_size=MICRO_BATCH,
+        epochs=args.epochs,
+        shuffle=False,
+        verbose=args.verbose,
+    )
     end = time.perf_counter()
 
-    trainable = rel_diff([ops.convert_to_numpy(v) for v in accumulated.trainable_weights],
-                         [ops.convert_to_numpy(v) for v in reference.trainable_weights])
-    stats_acc = [ops.convert_to_numpy(v) for layer in accumulated.layers
-                 if "batch" in type(layer).__name__.lower()
-                 for v in (layer.moving_mean, layer.moving_variance)]
-    stats_ref = [ops.convert_to_numpy(v) for layer in reference.layers
-                 if isinstance(layer, GroupBatchNormalization)
-                 for v in (layer.moving_mean, layer.moving_variance)]
+    trainable = rel_diff(
+        [ops.convert_to_numpy(v) for v in accumulated.trainable_weights],
+        [ops.convert_to_numpy(v) for v in reference.trainable_weights],
+    )
+    stats_acc = [
+        ops.convert_to_numpy(v)
+        for layer in accumulated.layers
+        if "batch" in type(layer).__name__.lower()
+        for v in (layer.moving_mean, layer.moving_variance)
+    ]
+    stats_ref = [
+        ops.convert_to_numpy(v)
+        for layer in reference.layers
+        if isinstance(layer, GroupBatchNormalization)
+        for v in (layer.moving_mean, layer.moving_variance)
+    ]
     stats = rel_diff(stats_acc, stats_ref)
     updates = int(accumulated.optimizer.iterations)
     acc_eval = accumulated.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
     ref_eval = reference.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    print(f"backend {keras.backend.backend()}: {args.epochs} epochs, {updates} updates; "
-          f"big batch {mid - start:.1f} s, accumulated {end - mid:.1f} s")
+    print(
+        f"backend {keras.backend.backend()}: {args.epochs} epochs, {updates} updates; "
+        f"big batch {mid - start:.1f} s, accumulated {end - mid:.1f} s"
+    )
     print(f"largest weight difference (relative):        {trainable:.3e}")
     print(f"largest moving-statistic difference (rel.):  {stats:.3e}")
     print(f"test accuracy: accumulated {acc_eval:.4f}, big batch {ref_eval:.4f}")

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     accumulated = make_model()
     accumulated.load_state_dict(reference.state_dict())
     accumulated = convert_batchnorm(accumulated, ACCUM_STEPS)
+
     def make_opt(params):
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9, nesterov=True, weight_decay=1e-4)
 
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
 
     weight_diff = max(
-        (a - b).abs().max().item()
-        for a, b in zip(accumulated.parameters(), reference.parameters())
+        (a - b).abs().max().item() for a, b in zip(accumulated.parameters(), reference.parameters())
     )
     weight_max = max(p.abs().max().item() for p in reference.parameters())
     stats_diff = max(
@@ -157,14 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         if "running" in na
     )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"gradient accumulation: {ACCUM_STEPS} micro-batches of {MICRO_BATCH} "
-          f"vs batches of {big}, {args.epochs} epochs, {acc_opt.accumulation_state.updates} "
-          f"updates, {elapsed:.1f} s")
-    print(f"largest weight difference:        {weight_diff:.3e} "
-          f"(relative {weight_diff / weight_max:.3e})")
+    print(
+        f"gradient accumulation: {ACCUM_STEPS} micro-batches of {MICRO_BATCH} "
+        f"vs batches of {big}, {args.epochs} epochs, {acc_opt.accumulation_state.updates} "
+        f"updates, {elapsed:.1f} s"
+    )
+    print(
+        f"largest weight difference:        {weight_diff:.3e} "
+        f"(relative {weight_diff / weight_max:.3e})"
+    )
     print(f"largest running-stat difference:  {stats_diff:.3e}")
-    print(f"test accuracy: accumulated {accuracy(accumulated, x_test, y_test):.4f}, "
-          f"big batch {accuracy(reference, x_test, y_test):.4f}")
+    print(
+        f"test accuracy: accumulated {accuracy(accumulated, x_test, y_test):.4f}, "
+        f"big batch {accuracy(reference, x_test, y_test):.4f}"
+    )
     print(f"peak memory (process RSS): {peak_mib:.0f} MiB")
     ok = weight_diff / weight_max <= 1e-5
     print("equivalent to the big batch" if ok else "NOT equivalent to the big batch")

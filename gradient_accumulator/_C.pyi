@@ -67,7 +67,12 @@ def apply(
 ) -> dict[str, Any]: ...
 def bn_moments(x: Any, outer: int, channels: int, inner: int, mean: Any, m2: Any) -> None: ...
 def bn_merge(
-    count_a: float, mean_a: Any, m2_a: Any, count_b: float, mean_b: Any, m2_b: Any,
+    count_a: float,
+    mean_a: Any,
+    m2_a: Any,
+    count_b: float,
+    mean_b: Any,
+    m2_b: Any,
     stream: int = 0,
 ) -> float: ...
 def bn_update_running(

@@ -100,8 +100,10 @@ def check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
         ValueError: ``value`` is not one of ``choices``.
     """
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, one of {tuple(choices)}, got "
-                        f"{type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{name} must be a string, one of {tuple(choices)}, got "
+            f"{type(value).__name__} {value!r}"
+        )
     for choice in choices:
         if value.lower() == choice.lower():
             return choice

@@ -221,12 +221,26 @@ def accumulate(
         sumsq_t = _device_scalar(accumulators[0], "float64") if compute_sumsq else None
         with _on_device(accumulators[0]):
             load_core().accumulate(
-                accumulators, grads, weight, mode, weight_before, bool(overwrite),
-                bool(compute_sumsq), stream=stream, nonfinite_out=flag, sumsq_out=sumsq_t,
+                accumulators,
+                grads,
+                weight,
+                mode,
+                weight_before,
+                bool(overwrite),
+                bool(compute_sumsq),
+                stream=stream,
+                nonfinite_out=flag,
+                sumsq_out=sumsq_t,
             )
         return AccumulateResult(flag, sumsq_t)
     nonfinite, sumsq = load_core().accumulate(
-        accumulators, grads, weight, mode, weight_before, bool(overwrite), bool(compute_sumsq),
+        accumulators,
+        grads,
+        weight,
+        mode,
+        weight_before,
+        bool(overwrite),
+        bool(compute_sumsq),
         nonfinite_out=nonfinite_out,
     )
     return AccumulateResult(bool(nonfinite), sumsq)
@@ -332,9 +346,7 @@ def _units(
         return [unit_layout(shape, layout) for shape in shapes]
     units = list(layout)
     if len(units) != len(shapes):
-        raise ValueError(
-            f"layout has {len(units)} entries but {name} has {len(shapes)} tensors"
-        )
+        raise ValueError(f"layout has {len(units)} entries but {name} has {len(shapes)} tensors")
     for i, (u, shape) in enumerate(zip(units, shapes)):
         if not (
             isinstance(u, (tuple, list))
@@ -377,8 +389,12 @@ def adaptive_clip(
     stream = _cuda_stream(_first(grads))
     with _on_device(_first(grads)):
         load_core().adaptive_clip(
-            params, grads, units, _check_real(clip_factor, "clip_factor"),
-            _check_real(eps, "eps"), stream=stream or 0,
+            params,
+            grads,
+            units,
+            _check_real(clip_factor, "clip_factor"),
+            _check_real(eps, "eps"),
+            stream=stream or 0,
         )
 
 
@@ -560,8 +576,13 @@ def bn_merge(
     with _on_device(mean_a):
         return float(
             load_core().bn_merge(
-                _check_real(count_a, "count_a"), mean_a, m2_a, _check_real(count_b, "count_b"),
-                mean_b, m2_b, stream=_cuda_stream(mean_a) or 0,
+                _check_real(count_a, "count_a"),
+                mean_a,
+                m2_a,
+                _check_real(count_b, "count_b"),
+                mean_b,
+                m2_b,
+                stream=_cuda_stream(mean_a) or 0,
             )
         )
 
@@ -583,8 +604,13 @@ def bn_update_running(
     """
     with _on_device(running_mean):
         load_core().bn_update_running(
-            running_mean, running_var, mean, m2, _check_real(count, "count"),
-            _check_real(momentum, "momentum"), bool(unbiased),
+            running_mean,
+            running_var,
+            mean,
+            m2,
+            _check_real(count, "count"),
+            _check_real(momentum, "momentum"),
+            bool(unbiased),
             stream=_cuda_stream(running_mean) or 0,
         )
 

@@ -44,8 +44,9 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 def assert_close(actual: Any, expected: Any, tol: str, err_msg: str = "") -> None:
     """Compare a tensor (any kind) with an fp64 reference under ``TOL[tol]``."""
     t = TOL[tol]
-    np.testing.assert_allclose(to_f64(actual), to_f64(expected), rtol=t.rtol, atol=t.atol,
-                               err_msg=err_msg)
+    np.testing.assert_allclose(
+        to_f64(actual), to_f64(expected), rtol=t.rtol, atol=t.atol, err_msg=err_msg
+    )
 
 
 # ---- input kinds -------------------------------------------------------------------------
@@ -145,8 +146,15 @@ def round_bf16(x: Any) -> np.ndarray:
 # ---- fp64 references ---------------------------------------------------------------------
 
 
-def ref_accumulate(acc: np.ndarray, g: np.ndarray, *, weight: float = 1.0, mode: str = "sum",
-                   weight_before: float = 0.0, overwrite: bool = False) -> np.ndarray:
+def ref_accumulate(
+    acc: np.ndarray,
+    g: np.ndarray,
+    *,
+    weight: float = 1.0,
+    mode: str = "sum",
+    weight_before: float = 0.0,
+    overwrite: bool = False,
+) -> np.ndarray:
     """The accumulator after one micro-step, in float64."""
     acc, g = to_f64(acc), to_f64(g)
     if mode == "running_mean":
@@ -156,8 +164,19 @@ def ref_accumulate(acc: np.ndarray, g: np.ndarray, *, weight: float = 1.0, mode:
     return weight * g if overwrite else acc + weight * g
 
 
-def ref_sgd(p, g, buf, *, lr, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0,
-            maximize=False, first=False):
+def ref_sgd(
+    p,
+    g,
+    buf,
+    *,
+    lr,
+    momentum=0.0,
+    dampening=0.0,
+    nesterov=False,
+    weight_decay=0.0,
+    maximize=False,
+    first=False,
+):
     """One torch.optim.SGD step in float64: returns (param, momentum buffer)."""
     p, g = to_f64(p), to_f64(g)
     g = -g if maximize else g
@@ -169,8 +188,20 @@ def ref_sgd(p, g, buf, *, lr, momentum=0.0, dampening=0.0, nesterov=False, weigh
     return p - lr * g, buf
 
 
-def ref_adam(p, g, m, v, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1,
-             decoupled=False, maximize=False):
+def ref_adam(
+    p,
+    g,
+    m,
+    v,
+    *,
+    lr,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    step=1,
+    decoupled=False,
+    maximize=False,
+):
     """One torch.optim.Adam (``decoupled=False``) or AdamW step in float64: (param, m, v)."""
     p, g, m, v = to_f64(p), to_f64(g), to_f64(m), to_f64(v)
     b1, b2 = betas
@@ -214,8 +245,9 @@ def ref_unitwise_norm(x: Any, layout: str = "leading") -> np.ndarray:
     return np.sqrt(_unit_sumsq(to_f64(x), layout)).reshape(-1)
 
 
-def ref_agc(p: Any, g: Any, *, clip_factor: float = 0.01, eps: float = 1e-3,
-            layout: str = "leading") -> np.ndarray:
+def ref_agc(
+    p: Any, g: Any, *, clip_factor: float = 0.01, eps: float = 1e-3, layout: str = "leading"
+) -> np.ndarray:
     """Adaptive gradient clipping as in the NFNets paper and the original Keras package."""
     p, g = to_f64(p), to_f64(g)
     pn = np.sqrt(_unit_sumsq(p, layout))

@@ -88,8 +88,9 @@ def test_running_mean_is_the_weighted_mean_so_far(kind, gdtype):
     total = 0.0
     for step, w in enumerate(weights):
         grads = _grads(20 + step, gdtype, kind)
-        core.accumulate(acc, grads, weight=w, mode="running_mean", weight_before=total,
-                        overwrite=step == 0)
+        core.accumulate(
+            acc, grads, weight=w, mode="running_mean", weight_before=total, overwrite=step == 0
+        )
         total += w
         num = [n + w * to_f64(g) for n, g in zip(num, grads)]
         for a, n in zip(acc, num):
@@ -119,8 +120,12 @@ def test_nonfinite_flag(kind, gdtype, overwrite):
     acc = [zeros(s, "float32", kind) for s in SIZES]
     assert core.accumulate(acc, clean, overwrite=overwrite).nonfinite is False
     # incl. the first element of a later chunk and the very last element
-    for bad, tensor, pos in ((np.nan, 0, 1), (np.inf, 2, 40_002), (-np.inf, 2, 16_384),
-                             (np.nan, 1, 76)):
+    for bad, tensor, pos in (
+        (np.nan, 0, 1),
+        (np.inf, 2, 40_002),
+        (-np.inf, 2, 16_384),
+        (np.nan, 1, 76),
+    ):
         data = [to_f64(g) for g in clean]
         data[tensor].reshape(-1)[pos] = bad
         grads = [make(d, gdtype, kind) for d in data]
@@ -139,8 +144,9 @@ def test_nonfinite_flag_looks_at_gradients_only():
 @pytest.mark.parametrize(("kind", "gdtype"), KIND_DTYPES)
 def test_compute_sumsq_is_the_sum_of_squares_of_the_result(kind, gdtype):
     acc = [zeros(s, "float32", kind) for s in SIZES]
-    r1 = core.accumulate(acc, _grads(30, gdtype, kind), weight=2.0, overwrite=True,
-                         compute_sumsq=True)
+    r1 = core.accumulate(
+        acc, _grads(30, gdtype, kind), weight=2.0, overwrite=True, compute_sumsq=True
+    )
     expect1 = sum(float(np.sum(to_f64(a) ** 2)) for a in acc)
     r2 = core.accumulate(acc, _grads(31, gdtype, kind), weight=0.5, compute_sumsq=True)
     expect2 = sum(float(np.sum(to_f64(a) ** 2)) for a in acc)
@@ -154,8 +160,9 @@ def test_empty_lists_and_tensors():
     r = core.accumulate([], [], compute_sumsq=True)
     assert r.nonfinite is False and r.sumsq == 0.0
     acc = [np.zeros(0, np.float32), np.zeros(4, np.float32)]
-    r = core.accumulate(acc, [np.zeros(0, np.float32), np.ones(4, np.float32)], weight=2.0,
-                        compute_sumsq=True)
+    r = core.accumulate(
+        acc, [np.zeros(0, np.float32), np.ones(4, np.float32)], weight=2.0, compute_sumsq=True
+    )
     np.testing.assert_array_equal(acc[1], 2.0)
     assert r.sumsq == 16.0
 

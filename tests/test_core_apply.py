@@ -94,8 +94,17 @@ def test_sgd_matches_fp64_and_torch(name):
         g = _ref_grads(accs, grad_scale, max_norm)
         for i in range(len(params)):
             ref_p[i], ref_b[i] = ref_sgd(ref_p[i], g[i], ref_b[i], lr=lr, first=step == 0, **cfg)
-        res = core.apply(params, accs, optimizer="sgd", lr=lr, grad_scale=grad_scale,
-                         state1=bufs, max_norm=max_norm, momentum_initialized=step > 0, **cfg)
+        res = core.apply(
+            params,
+            accs,
+            optimizer="sgd",
+            lr=lr,
+            grad_scale=grad_scale,
+            state1=bufs,
+            max_norm=max_norm,
+            momentum_initialized=step > 0,
+            **cfg,
+        )
         total = _torch_clip(tparams, max_norm)
         opt.step()
         assert res.skipped is False
@@ -145,10 +154,22 @@ def test_adam_matches_fp64_and_torch(name):
         accs = _accs(r)
         _set_torch_grads(tparams, accs, grad_scale)
         g = _ref_grads(accs, grad_scale, max_norm)
-        ref = [ref_adam(rp, gi, rm, rv, lr=lr, step=step, decoupled=optimizer == "adamw", **cfg)
-               for (rp, rm, rv), gi in zip(ref, g)]
-        res = core.apply(params, accs, optimizer=optimizer, lr=lr, grad_scale=grad_scale,
-                         state1=m, state2=v, step=step, max_norm=max_norm, **cfg)
+        ref = [
+            ref_adam(rp, gi, rm, rv, lr=lr, step=step, decoupled=optimizer == "adamw", **cfg)
+            for (rp, rm, rv), gi in zip(ref, g)
+        ]
+        res = core.apply(
+            params,
+            accs,
+            optimizer=optimizer,
+            lr=lr,
+            grad_scale=grad_scale,
+            state1=m,
+            state2=v,
+            step=step,
+            max_norm=max_norm,
+            **cfg,
+        )
         total = _torch_clip(tparams, max_norm)
         opt.step()
         assert res.skipped is False
@@ -171,10 +192,22 @@ def test_adam_step_sets_the_bias_correction():
     p1, p3 = _params(4), _params(4)
     acc = _accs(rng(5))
     kw = dict(optimizer="adam", lr=0.1, reset=False)
-    core.apply(p1, acc, state1=[np.zeros_like(p) for p in p1],
-               state2=[np.zeros_like(p) for p in p1], step=1, **kw)
-    core.apply(p3, acc, state1=[np.zeros_like(p) for p in p3],
-               state2=[np.zeros_like(p) for p in p3], step=3, **kw)
+    core.apply(
+        p1,
+        acc,
+        state1=[np.zeros_like(p) for p in p1],
+        state2=[np.zeros_like(p) for p in p1],
+        step=1,
+        **kw,
+    )
+    core.apply(
+        p3,
+        acc,
+        state1=[np.zeros_like(p) for p in p3],
+        state2=[np.zeros_like(p) for p in p3],
+        step=3,
+        **kw,
+    )
     for a, b, p0, g in zip(p1, p3, _params(4), acc):
         assert_close(a, ref_adam(p0, g, 0, 0, lr=0.1, step=1)[0], "float32")
         assert_close(b, ref_adam(p0, g, 0, 0, lr=0.1, step=3)[0], "float32")
@@ -191,8 +224,14 @@ def test_global_norm_clip_matches_clip_grad_norm(max_norm):
     total = float(torch.nn.utils.clip_grad_norm_(tparams, max_norm, foreach=False))
     out = [np.full_like(a, np.nan) for a in accs]
     norm = ref_global_norm(accs) * grad_scale
-    res = core.apply(None, [a.copy() for a in accs], optimizer="none", grad_scale=grad_scale,
-                     grads_out=out, max_norm=max_norm)
+    res = core.apply(
+        None,
+        [a.copy() for a in accs],
+        optimizer="none",
+        grad_scale=grad_scale,
+        grads_out=out,
+        max_norm=max_norm,
+    )
     assert res.skipped is False
     assert res.grad_norm == pytest.approx(norm, rel=1e-12)
     assert res.grad_norm == pytest.approx(total, rel=1e-5)
@@ -211,8 +250,14 @@ def test_global_norm_clip_matches_clip_grad_norm(max_norm):
 def test_precomputed_clip_coefficient():
     accs = _accs(rng(7))
     out = [np.empty_like(a) for a in accs]
-    res = core.apply(None, [a.copy() for a in accs], optimizer="none", grad_scale=0.5,
-                     grads_out=out, clip_coef=np.array([0.25], F32))
+    res = core.apply(
+        None,
+        [a.copy() for a in accs],
+        optimizer="none",
+        grad_scale=0.5,
+        grads_out=out,
+        clip_coef=np.array([0.25], F32),
+    )
     assert res.clip_coef == 0.25 and res.grad_norm is None
     for o, a in zip(out, accs):
         np.testing.assert_array_equal(o, a * F32(0.125))  # exact: powers of two
@@ -232,16 +277,35 @@ def test_agc_in_apply(layout, kind):
     params = [make(p, "float32", kind) for p in p_np]
     accs = [make(a, "float32", kind) for a in a_np]
     lr, grad_scale, cf, eps = 0.5, 2.0, 0.05, 1e-2
-    g = [ref_agc(p, to_f64(a) * grad_scale, clip_factor=cf, eps=eps, layout=layout)
-         for p, a in zip(p_np, a_np)]
+    g = [
+        ref_agc(p, to_f64(a) * grad_scale, clip_factor=cf, eps=eps, layout=layout)
+        for p, a in zip(p_np, a_np)
+    ]
     assert any(np.abs(gi - to_f64(a) * grad_scale).max() > 1e-3 for gi, a in zip(g, a_np))
     # the same rule written to grads_out, then applied with SGD
     out = [np.empty_like(a) for a in a_np]
-    core.apply(params, [make(a, "float32", kind) for a in a_np], optimizer="none",
-               grad_scale=grad_scale, grads_out=out, agc=True, clip_factor=cf, agc_eps=eps,
-               layout=layout)
-    core.apply(params, accs, optimizer="sgd", lr=lr, grad_scale=grad_scale, agc=True,
-               clip_factor=cf, agc_eps=eps, layout=layout)
+    core.apply(
+        params,
+        [make(a, "float32", kind) for a in a_np],
+        optimizer="none",
+        grad_scale=grad_scale,
+        grads_out=out,
+        agc=True,
+        clip_factor=cf,
+        agc_eps=eps,
+        layout=layout,
+    )
+    core.apply(
+        params,
+        accs,
+        optimizer="sgd",
+        lr=lr,
+        grad_scale=grad_scale,
+        agc=True,
+        clip_factor=cf,
+        agc_eps=eps,
+        layout=layout,
+    )
     for i in range(len(shapes)):
         assert_close(out[i], g[i], "float32")
         assert_close(params[i], to_f64(p_np[i]) - lr * g[i], "float32")
@@ -273,8 +337,19 @@ def test_skip_nonfinite(optimizer, reset, clip, bad):
     kept = snapshot(params + s1 + s2)
     acc_before = snapshot(accs)
     kw = dict(max_norm=1.0) if clip == "max_norm" else dict(agc=clip == "agc")
-    res = core.apply(params, accs, optimizer=optimizer, lr=0.1, momentum=0.9, state1=s1,
-                     state2=s2, step=2, skip_nonfinite=True, reset=reset, **kw)
+    res = core.apply(
+        params,
+        accs,
+        optimizer=optimizer,
+        lr=0.1,
+        momentum=0.9,
+        state1=s1,
+        state2=s2,
+        step=2,
+        skip_nonfinite=True,
+        reset=reset,
+        **kw,
+    )
     assert res.skipped is True
     assert_unchanged(kept, params + s1 + s2)
     if reset:
@@ -303,15 +378,29 @@ def test_reset_false_keeps_the_accumulators(optimizer):
     accs = _accs(rng(15))
     before = snapshot(accs)
     s = [np.zeros_like(p) for p in params]
-    core.apply(params, accs, optimizer=optimizer, lr=0.1, state1=s,
-               state2=[np.zeros_like(p) for p in params], reset=False)
+    core.apply(
+        params,
+        accs,
+        optimizer=optimizer,
+        lr=0.1,
+        state1=s,
+        state2=[np.zeros_like(p) for p in params],
+        reset=False,
+    )
     assert_unchanged(before, accs)
     assert max(np.abs(p - q).max() for p, q in zip(params, _params(14))) > 1e-3
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("torch", "bfloat16"), ("torch", "float16"),
-                                             ("numpy", "float16"), ("numpy", "float32"),
-                                             ("numpy", "float64")])
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [
+        ("torch", "bfloat16"),
+        ("torch", "float16"),
+        ("numpy", "float16"),
+        ("numpy", "float32"),
+        ("numpy", "float64"),
+    ],
+)
 def test_optimizer_none_writes_grads_out_in_any_dtype(kind, dtype):
     accs = _accs(rng(16))
     before = [a.copy() for a in accs]
@@ -351,15 +440,33 @@ def test_bf16_params(optimizer, state_dtype):
         accs = [torch.from_numpy(a) for a in _accs(r, shapes, scale=3.0)]
         p0, m0, v0 = [to_f64(p) for p in params], [to_f64(x) for x in s1], [to_f64(x) for x in s2]
         g = [to_f64(a) * 0.5 for a in accs]
-        core.apply(params, accs, optimizer=optimizer, lr=lr, grad_scale=0.5, state1=s1,
-                   state2=s2, step=step, momentum_initialized=step > 1, **hp)
+        core.apply(
+            params,
+            accs,
+            optimizer=optimizer,
+            lr=lr,
+            grad_scale=0.5,
+            state1=s1,
+            state2=s2,
+            step=step,
+            momentum_initialized=step > 1,
+            **hp,
+        )
         for i in range(len(shapes)):
             assert params[i].dtype == torch.bfloat16 and s1[i].dtype == getattr(torch, state_dtype)
             if optimizer == "sgd":
                 ep, em = ref_sgd(p0[i], g[i], m0[i], lr=lr, first=step == 1, **hp)
             else:
-                ep, em, ev = ref_adam(p0[i], g[i], m0[i], v0[i], lr=lr, step=step,
-                                      decoupled=optimizer == "adamw", **hp)
+                ep, em, ev = ref_adam(
+                    p0[i],
+                    g[i],
+                    m0[i],
+                    v0[i],
+                    lr=lr,
+                    step=step,
+                    decoupled=optimizer == "adamw",
+                    **hp,
+                )
                 assert_close(s2[i], ev, state_dtype)
             assert_close(params[i], ep, "bfloat16")
             assert_close(s1[i], em, state_dtype)

@@ -24,14 +24,17 @@ def _x(seed, shape, dtype="float32", kind="numpy"):
 
 
 @pytest.mark.parametrize(("kind", "dtype"), KIND_DTYPES)
-@pytest.mark.parametrize(("shape", "axis"), [
-    ((6, 3, 5, 4), 1),     # NCHW
-    ((6, 5, 4, 3), -1),    # NHWC (channels-last)
-    ((10, 7), 1),          # (N, C)
-    ((10, 7), -1),
-    ((2, 4, 9), 1),        # (N, C, L)
-    ((3, 2, 2, 2, 5), -1),  # NDHWC
-])
+@pytest.mark.parametrize(
+    ("shape", "axis"),
+    [
+        ((6, 3, 5, 4), 1),  # NCHW
+        ((6, 5, 4, 3), -1),  # NHWC (channels-last)
+        ((10, 7), 1),  # (N, C)
+        ((10, 7), -1),
+        ((2, 4, 9), 1),  # (N, C, L)
+        ((3, 2, 2, 2, 5), -1),  # NDHWC
+    ],
+)
 def test_bn_moments(kind, dtype, shape, axis):
     x = _x(1, shape, dtype, kind)
     mean, m2, count = core.bn_moments(x, channels_axis=axis)

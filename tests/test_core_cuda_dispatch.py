@@ -37,8 +37,11 @@ class _DLTensor(ctypes.Structure):
 
 
 class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
 
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New
@@ -95,13 +98,22 @@ def test_cuda_calls_validate_before_touching_the_device():
     with pytest.raises(TypeError, match=r"grads\[0\].*cuda:1"):
         _C.accumulate([acc], [FakeCudaTensor(10, device=1)], 1.0, "sum", 0.0, True, False)
     with pytest.raises(TypeError, match=r"accumulators\[0\].*float32"):
-        _C.accumulate([FakeCudaTensor(10, bits=64)], [FakeCudaTensor(10)], 1.0, "sum", 0.0,
-                      True, False)
+        _C.accumulate(
+            [FakeCudaTensor(10, bits=64)], [FakeCudaTensor(10)], 1.0, "sum", 0.0, True, False
+        )
     with pytest.raises(ValueError, match="weight"):
         _C.accumulate([acc], [FakeCudaTensor(10)], -1.0, "sum", 0.0, True, False)
     with pytest.raises(TypeError, match="nonfinite_out"):
-        _C.accumulate([acc], [FakeCudaTensor(10)], 1.0, "sum", 0.0, True, False,
-                      nonfinite_out=np.zeros(1, np.float32))
+        _C.accumulate(
+            [acc],
+            [FakeCudaTensor(10)],
+            1.0,
+            "sum",
+            0.0,
+            True,
+            False,
+            nonfinite_out=np.zeros(1, np.float32),
+        )
     with pytest.raises(ValueError, match="out is required"):
         _C.sum_of_squares([acc])
 
@@ -122,8 +134,9 @@ def test_cuda_tensors_from_other_frameworks_are_refused_with_a_clear_error():
 def test_cpu_results_also_go_to_the_optional_outputs():
     acc = [np.zeros(4, np.float32)]
     flag = np.zeros(1, np.float32)
-    r = core.accumulate(acc, [np.array([1, 2, 3, np.inf], np.float32)], overwrite=True,
-                        nonfinite_out=flag)
+    r = core.accumulate(
+        acc, [np.array([1, 2, 3, np.inf], np.float32)], overwrite=True, nonfinite_out=flag
+    )
     assert r.nonfinite and flag[0] == 1.0
     core.accumulate(acc, [np.ones(4, np.float32)], overwrite=True, nonfinite_out=flag)
     assert flag[0] == 1.0  # never cleared by a later finite call

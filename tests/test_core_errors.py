@@ -171,8 +171,9 @@ def _():
     return acc_call(a, [g[0], a[1]]), a + g
 
 
-@case("accumulate-same-accumulator-twice", ValueError,
-      overlap("accumulators[1]", "accumulators[0]"))
+@case(
+    "accumulate-same-accumulator-twice", ValueError, overlap("accumulators[1]", "accumulators[0]")
+)
 def _():
     a = f32(4)
     g = [f32(4, fill=2.0), f32(4, fill=3.0)]
@@ -186,8 +187,11 @@ def _():
     return acc_call([base[:10], base[5:15]], g), [base] + g
 
 
-@case("accumulate-torch-accumulator-shares-a-numpy-grad", ValueError,
-      overlap("accumulators[0]", "grads[0]"))
+@case(
+    "accumulate-torch-accumulator-shares-a-numpy-grad",
+    ValueError,
+    overlap("accumulators[0]", "grads[0]"),
+)
 def _():
     torch = need_torch()
     g = f32(4, fill=2.0)
@@ -200,10 +204,18 @@ def _():
     return acc_call(a, g, mode="avg"), a + g
 
 
-@pytest.mark.parametrize(("weight", "exc"), [
-    (float("nan"), ValueError), (float("inf"), ValueError), (-1.0, ValueError),
-    ("2", TypeError), (True, TypeError), (None, TypeError), (np.array([1.0]), TypeError),
-])
+@pytest.mark.parametrize(
+    ("weight", "exc"),
+    [
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (-1.0, ValueError),
+        ("2", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+        (np.array([1.0]), TypeError),
+    ],
+)
 def test_accumulate_bad_weight(weight, exc):
     a, g = acc_pair()
     before = snapshot(a + g)
@@ -212,12 +224,15 @@ def test_accumulate_bad_weight(weight, exc):
     assert_unchanged(before, a + g)
 
 
-@pytest.mark.parametrize(("kw", "exc", "match"), [
-    (dict(weight_before=-1.0), ValueError, "weight_before"),
-    (dict(weight_before=float("nan")), ValueError, "weight_before"),
-    (dict(weight_before="0"), TypeError, "weight_before"),
-    (dict(weight=0.0, weight_before=0.0), ValueError, "weight"),
-])
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        (dict(weight_before=-1.0), ValueError, "weight_before"),
+        (dict(weight_before=float("nan")), ValueError, "weight_before"),
+        (dict(weight_before="0"), TypeError, "weight_before"),
+        (dict(weight=0.0, weight_before=0.0), ValueError, "weight"),
+    ],
+)
 def test_accumulate_bad_running_mean_weights(kw, exc, match):
     a, g = acc_pair()
     before = snapshot(a + g)
@@ -268,36 +283,65 @@ apply_case("apply-step-bool", TypeError, "step must be an int", step=True)
 apply_case("apply-step-float", TypeError, "step must be an int", step=1.0)
 apply_case("apply-negative-eps", ValueError, "eps must be", eps=-1e-8)
 apply_case("apply-negative-weight-decay", ValueError, "weight_decay must be", weight_decay=-0.1)
-apply_case("apply-sgd-negative-momentum", ValueError, "momentum must be", optimizer="sgd",
-           momentum=-0.5)
-apply_case("apply-sgd-nesterov-without-momentum", ValueError, "nesterov", optimizer="sgd",
-           momentum=0.0, nesterov=True)
-apply_case("apply-sgd-nesterov-with-dampening", ValueError, "nesterov", optimizer="sgd",
-           nesterov=True, dampening=0.1)
+apply_case(
+    "apply-sgd-negative-momentum", ValueError, "momentum must be", optimizer="sgd", momentum=-0.5
+)
+apply_case(
+    "apply-sgd-nesterov-without-momentum",
+    ValueError,
+    "nesterov",
+    optimizer="sgd",
+    momentum=0.0,
+    nesterov=True,
+)
+apply_case(
+    "apply-sgd-nesterov-with-dampening",
+    ValueError,
+    "nesterov",
+    optimizer="sgd",
+    nesterov=True,
+    dampening=0.1,
+)
 apply_case("apply-nan-grad-scale", ValueError, "grad_scale", grad_scale=float("nan"))
 apply_case("apply-inf-grad-scale", ValueError, "grad_scale", grad_scale=float("inf"))
 apply_case("apply-max-norm-zero", ValueError, "max_norm must be", max_norm=0.0)
 apply_case("apply-max-norm-negative", ValueError, "max_norm must be", max_norm=-1.0)
 apply_case("apply-max-norm-nan", ValueError, "max_norm must be", max_norm=float("nan"))
 apply_case("apply-max-norm-and-agc", ValueError, "max_norm and agc", max_norm=1.0, agc=True)
-apply_case("apply-agc-clip-factor-zero", ValueError, "clip_factor must be", agc=True,
-           clip_factor=0.0)
+apply_case(
+    "apply-agc-clip-factor-zero", ValueError, "clip_factor must be", agc=True, clip_factor=0.0
+)
 apply_case("apply-agc-eps-negative", ValueError, "agc_eps must be", agc=True, agc_eps=-1.0)
 apply_case("apply-agc-unknown-layout", ValueError, "layout must be", agc=True, layout="middle")
-apply_case("apply-agc-layout-count", ValueError, "layout has 1 entries but params has 2",
-           agc=True, layout=[(1, "leading")])
-apply_case("apply-agc-layout-does-not-divide", ValueError, r"layout\[1\]: 4 units do not divide",
-           agc=True, layout=[(2, "leading"), (4, "trailing")])
-apply_case("apply-agc-layout-bad-entry", ValueError, r"layout\[0\] must be a pair", agc=True,
-           layout=[(2, "sideways"), (1, "leading")])
-apply_case("apply-missing-state", ValueError, "state1 has 0 tensors but params has 2",
-           state1=None)
-apply_case("apply-short-state2", ValueError, "state2 has 1 tensors but params has 2",
-           state2=[f32(4)])
-apply_case("apply-clip-coef-float64", TypeError, "clip_coef",
-           clip_coef=np.array([0.5], np.float64))
-apply_case("apply-clip-coef-two-elements", TypeError, "clip_coef",
-           clip_coef=np.array([0.5, 0.5], F32))
+apply_case(
+    "apply-agc-layout-count",
+    ValueError,
+    "layout has 1 entries but params has 2",
+    agc=True,
+    layout=[(1, "leading")],
+)
+apply_case(
+    "apply-agc-layout-does-not-divide",
+    ValueError,
+    r"layout\[1\]: 4 units do not divide",
+    agc=True,
+    layout=[(2, "leading"), (4, "trailing")],
+)
+apply_case(
+    "apply-agc-layout-bad-entry",
+    ValueError,
+    r"layout\[0\] must be a pair",
+    agc=True,
+    layout=[(2, "sideways"), (1, "leading")],
+)
+apply_case("apply-missing-state", ValueError, "state1 has 0 tensors but params has 2", state1=None)
+apply_case(
+    "apply-short-state2", ValueError, "state2 has 1 tensors but params has 2", state2=[f32(4)]
+)
+apply_case("apply-clip-coef-float64", TypeError, "clip_coef", clip_coef=np.array([0.5], np.float64))
+apply_case(
+    "apply-clip-coef-two-elements", TypeError, "clip_coef", clip_coef=np.array([0.5, 0.5], F32)
+)
 apply_case("apply-clip-coef-not-a-tensor", TypeError, "clip_coef", clip_coef=0.5)
 apply_case("apply-optimizer-none-reset-in-place", ValueError, "reset", optimizer="none")
 
@@ -305,15 +349,17 @@ apply_case("apply-optimizer-none-reset-in-place", ValueError, "reset", optimizer
 @case("apply-state1-aliases-params", ValueError, overlap("state1[1]", "params[1]"))
 def _():
     p, a, s1, s2 = apply_set()
-    return (lambda: core.apply(p, a, optimizer="sgd", lr=0.1, momentum=0.9,
-                               state1=[s1[0], p[1]])), p + a + s1
+    return (
+        lambda: core.apply(p, a, optimizer="sgd", lr=0.1, momentum=0.9, state1=[s1[0], p[1]])
+    ), p + a + s1
 
 
 @case("apply-state2-aliases-state1", ValueError, overlap("state2[0]", "state1[0]"))
 def _():
     p, a, s1, s2 = apply_set()
-    return (lambda: core.apply(p, a, optimizer="adamw", lr=0.1, state1=s1,
-                               state2=[s1[0], s2[1]])), p + a + s1 + s2
+    return (
+        lambda: core.apply(p, a, optimizer="adamw", lr=0.1, state1=s1, state2=[s1[0], s2[1]])
+    ), p + a + s1 + s2
 
 
 @case("apply-params-alias-accumulators", ValueError, overlap("params[0]", "accumulators[0]"))
@@ -322,8 +368,9 @@ def _():
     return (lambda: core.apply([a[0], p[1]], a, optimizer="sgd", lr=0.1)), p + a
 
 
-@case("apply-grads-out-aliases-accumulators", ValueError,
-      overlap("grads_out[1]", "accumulators[1]"))
+@case(
+    "apply-grads-out-aliases-accumulators", ValueError, overlap("grads_out[1]", "accumulators[1]")
+)
 def _():
     _, a, s1, _ = apply_set()
     return (lambda: core.apply(None, a, optimizer="none", grads_out=[s1[0], a[1]])), a + s1
@@ -347,8 +394,9 @@ def _():
 def _():
     p, a, s1, s2 = apply_set()
     s1[1] = np.zeros(6, np.float16)
-    return (lambda: core.apply(p, a, optimizer="adam", lr=0.1, state1=s1, state2=s2)), \
-        p + a + s1 + s2
+    return (
+        lambda: core.apply(p, a, optimizer="adam", lr=0.1, state1=s1, state2=s2)
+    ), p + a + s1 + s2
 
 
 @case("apply-state2-dtype-differs", TypeError, r"state2\[0\]")
@@ -358,8 +406,9 @@ def _():
     a = [torch.full((4,), 2.0)]
     s1 = [torch.zeros(4)]
     s2 = [torch.zeros(4, dtype=torch.bfloat16)]
-    return (lambda: core.apply(p, a, optimizer="adam", lr=0.1, state1=s1, state2=s2)), \
-        p + a + s1 + s2
+    return (
+        lambda: core.apply(p, a, optimizer="adam", lr=0.1, state1=s1, state2=s2)
+    ), p + a + s1 + s2
 
 
 @case("apply-bf16-accumulator", TypeError, r"accumulators\[0\] has dtype bfloat16")
@@ -403,8 +452,11 @@ def _():
     return (lambda: core.apply(p[0], a[:1], optimizer="sgd", lr=0.1, agc=True)), p + a
 
 
-@case("apply-params-accumulators-count-for-agc", ValueError,
-      "params has 1 tensors but accumulators has 2")
+@case(
+    "apply-params-accumulators-count-for-agc",
+    ValueError,
+    "params has 1 tensors but accumulators has 2",
+)
 def _():
     p, a, _, _ = apply_set()
     return (lambda: core.apply(p[:1], a, optimizer="sgd", lr=0.1, agc=True)), p + a
@@ -421,8 +473,7 @@ def _():
 def _():
     p, a, s1, _ = apply_set()
     s1[0] = read_only(s1[0])
-    return (lambda: core.apply(p, a, optimizer="sgd", lr=0.1, momentum=0.9, state1=s1)), \
-        p + a + s1
+    return (lambda: core.apply(p, a, optimizer="sgd", lr=0.1, momentum=0.9, state1=s1)), p + a + s1
 
 
 @case("apply-transposed-params", ValueError, r"params\[1\] is not contiguous")
@@ -437,8 +488,7 @@ def _():
     torch = need_torch()
     p, a = [torch.ones(2, 3)], [torch.full((2, 3), 2.0)]
     s1 = [torch.zeros(3, 2).t()]
-    return (lambda: core.apply(p, a, optimizer="sgd", lr=0.1, momentum=0.9, state1=s1)), \
-        p + a + s1
+    return (lambda: core.apply(p, a, optimizer="sgd", lr=0.1, momentum=0.9, state1=s1)), p + a + s1
 
 
 @case("apply-accumulators-none", TypeError, "accumulators must be a list or tuple")
@@ -552,25 +602,58 @@ agc_case("agc-clip-factor-nan", ValueError, "clip_factor must be", clip_factor=f
 agc_case("agc-eps-negative", ValueError, "eps must be", eps=-1.0)
 agc_case("agc-eps-string", TypeError, "eps must be a real number", eps="0.1")
 agc_case("agc-unknown-layout", ValueError, "layout must be", layout="middle")
-agc_case("agc-trailing-rank-6", ValueError, "rank",
-         params=lambda p, g: [f32(1, 1, 1, 1, 1, 1), p[1]],
-         grads=lambda p, g: [f32(1, 1, 1, 1, 1, 1), g[1]], layout="trailing")
-agc_case("agc-grads-fp16", TypeError, r"grads\[1\] has dtype float16",
-         grads=lambda p, g: [g[0], np.ones(5, np.float16)])
-agc_case("agc-params-int", TypeError, r"params\[0\] has an unsupported dtype",
-         params=lambda p, g: [np.ones((4, 3), np.int32), p[1]])
-agc_case("agc-length-mismatch", ValueError, "grads has 1 tensors but params has 2",
-         grads=lambda p, g: g[:1])
-agc_case("agc-size-mismatch", ValueError, r"params\[1\] has 5 elements but grads\[1\] has 6",
-         grads=lambda p, g: [g[0], f32(6)])
-agc_case("agc-params-alias-grads", ValueError, overlap("grads[1]", "params[1]"),
-         params=lambda p, g: [p[0], g[1]])
+agc_case(
+    "agc-trailing-rank-6",
+    ValueError,
+    "rank",
+    params=lambda p, g: [f32(1, 1, 1, 1, 1, 1), p[1]],
+    grads=lambda p, g: [f32(1, 1, 1, 1, 1, 1), g[1]],
+    layout="trailing",
+)
+agc_case(
+    "agc-grads-fp16",
+    TypeError,
+    r"grads\[1\] has dtype float16",
+    grads=lambda p, g: [g[0], np.ones(5, np.float16)],
+)
+agc_case(
+    "agc-params-int",
+    TypeError,
+    r"params\[0\] has an unsupported dtype",
+    params=lambda p, g: [np.ones((4, 3), np.int32), p[1]],
+)
+agc_case(
+    "agc-length-mismatch",
+    ValueError,
+    "grads has 1 tensors but params has 2",
+    grads=lambda p, g: g[:1],
+)
+agc_case(
+    "agc-size-mismatch",
+    ValueError,
+    r"params\[1\] has 5 elements but grads\[1\] has 6",
+    grads=lambda p, g: [g[0], f32(6)],
+)
+agc_case(
+    "agc-params-alias-grads",
+    ValueError,
+    overlap("grads[1]", "params[1]"),
+    params=lambda p, g: [p[0], g[1]],
+)
 agc_case("agc-params-none", TypeError, "params must be a list or tuple", params=None)
-agc_case("agc-param-none-item", TypeError, r"params\[1\] must be a tensor",
-         params=lambda p, g: [p[0], None])
+agc_case(
+    "agc-param-none-item",
+    TypeError,
+    r"params\[1\] must be a tensor",
+    params=lambda p, g: [p[0], None],
+)
 agc_case("agc-grads-none", TypeError, "grads must be a list or tuple", grads=None)
-agc_case("agc-read-only-grads", ValueError, r"grads\[0\] is read-only",
-         grads=lambda p, g: [read_only(g[0]), g[1]])
+agc_case(
+    "agc-read-only-grads",
+    ValueError,
+    r"grads\[0\] is read-only",
+    grads=lambda p, g: [read_only(g[0]), g[1]],
+)
 
 
 # ---- batch norm ----
@@ -602,8 +685,11 @@ def _():
 @case("bn-moments-x-transposed", ValueError, "x is not contiguous")
 def _():
     x, mean, m2 = bn_set()
-    return (lambda: core.bn_moments(x.transpose(0, 2, 1), channels_axis=-1, mean=mean, m2=m2)), \
-        [x, mean, m2]
+    return (lambda: core.bn_moments(x.transpose(0, 2, 1), channels_axis=-1, mean=mean, m2=m2)), [
+        x,
+        mean,
+        m2,
+    ]
 
 
 @case("bn-moments-channels-axis-out-of-range", ValueError, "channels_axis")
@@ -670,14 +756,27 @@ def merge_case(case_id, exc, match, count_a=4.0, count_b=2.0, change=None):
 merge_case("bn-merge-count-a-negative", ValueError, "count_a", count_a=-1.0)
 merge_case("bn-merge-count-b-nan", ValueError, "count_b", count_b=float("nan"))
 merge_case("bn-merge-count-a-string", TypeError, "count_a", count_a="4")
-merge_case("bn-merge-mean-b-size", ValueError, "mean_b has 4 elements",
-           change=lambda b: b.__setitem__(2, f32(4)))
-merge_case("bn-merge-m2-a-read-only", ValueError, "m2_a is read-only",
-           change=lambda b: read_only(b[1]))
-merge_case("bn-merge-mean-a-is-m2-a", ValueError, overlap("m2_a", "mean_a"),
-           change=lambda b: b.__setitem__(1, b[0]))
-merge_case("bn-merge-m2-b-int", TypeError, "m2_b has an unsupported dtype",
-           change=lambda b: b.__setitem__(3, np.ones(3, np.int32)))
+merge_case(
+    "bn-merge-mean-b-size",
+    ValueError,
+    "mean_b has 4 elements",
+    change=lambda b: b.__setitem__(2, f32(4)),
+)
+merge_case(
+    "bn-merge-m2-a-read-only", ValueError, "m2_a is read-only", change=lambda b: read_only(b[1])
+)
+merge_case(
+    "bn-merge-mean-a-is-m2-a",
+    ValueError,
+    overlap("m2_a", "mean_a"),
+    change=lambda b: b.__setitem__(1, b[0]),
+)
+merge_case(
+    "bn-merge-m2-b-int",
+    TypeError,
+    "m2_b has an unsupported dtype",
+    change=lambda b: b.__setitem__(3, np.ones(3, np.int32)),
+)
 
 
 def running_case(case_id, exc, match, count=10.0, momentum=0.1, unbiased=True, change=None):
@@ -687,8 +786,11 @@ def running_case(case_id, exc, match, count=10.0, momentum=0.1, unbiased=True, c
         if change:
             change(bufs)
         rm, rv, mean, m2 = bufs
-        return (lambda: core.bn_update_running(rm, rv, mean, m2, count, momentum=momentum,
-                                               unbiased=unbiased)), bufs
+        return (
+            lambda: core.bn_update_running(
+                rm, rv, mean, m2, count, momentum=momentum, unbiased=unbiased
+            )
+        ), bufs
 
     return build
 
@@ -698,12 +800,21 @@ running_case("bn-running-momentum-negative", ValueError, "momentum", momentum=-0
 running_case("bn-running-count-1-unbiased", ValueError, "count", count=1.0)
 running_case("bn-running-count-0-biased", ValueError, "count", count=0.0, unbiased=False)
 running_case("bn-running-count-string", TypeError, "count", count="10")
-running_case("bn-running-var-fp16", TypeError, "running_var has dtype float16",
-             change=lambda b: b.__setitem__(1, np.ones(3, np.float16)))
-running_case("bn-running-mean-aliases-mean", ValueError, overlap("running_mean", "mean"),
-             change=lambda b: b.__setitem__(2, b[0]))
-running_case("bn-running-m2-size", ValueError, "m2 has 2 elements",
-             change=lambda b: b.__setitem__(3, f32(2)))
+running_case(
+    "bn-running-var-fp16",
+    TypeError,
+    "running_var has dtype float16",
+    change=lambda b: b.__setitem__(1, np.ones(3, np.float16)),
+)
+running_case(
+    "bn-running-mean-aliases-mean",
+    ValueError,
+    overlap("running_mean", "mean"),
+    change=lambda b: b.__setitem__(2, b[0]),
+)
+running_case(
+    "bn-running-m2-size", ValueError, "m2 has 2 elements", change=lambda b: b.__setitem__(3, f32(2))
+)
 
 
 # ---- pack / unpack / zero ----
@@ -789,13 +900,16 @@ def _():
 # ---- arena ----
 
 
-@pytest.mark.parametrize(("kw", "exc", "match"), [
-    (dict(numels=[4, 5], alignment=3), ValueError, "alignment"),
-    (dict(numels=[4, 5], alignment=0), ValueError, "alignment"),
-    (dict(numels=[4, 5], bucket_numel=0), ValueError, "bucket_numel"),
-    (dict(numels=[4, -1]), ValueError, r"numels\[1\]"),
-    (dict(numels=5), TypeError, "numels"),
-])
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        (dict(numels=[4, 5], alignment=3), ValueError, "alignment"),
+        (dict(numels=[4, 5], alignment=0), ValueError, "alignment"),
+        (dict(numels=[4, 5], bucket_numel=0), ValueError, "bucket_numel"),
+        (dict(numels=[4, -1]), ValueError, r"numels\[1\]"),
+        (dict(numels=5), TypeError, "numels"),
+    ],
+)
 def test_arena_plan_bad_input(kw, exc, match):
     with pytest.raises(exc, match=match):
         core.arena_plan(**kw)

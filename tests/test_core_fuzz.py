@@ -76,8 +76,11 @@ def _array(draw, n: int, dtype: str, special: bool) -> np.ndarray:
 
 
 def _scalar(draw, allow_extreme: bool = True, allow_invalid: bool = True) -> tuple[float, str]:
-    kinds = ["ordinary"] * 4 + (["extreme"] * 2 if allow_extreme else []) + (
-        ["invalid"] if allow_invalid else [])
+    kinds = (
+        ["ordinary"] * 4
+        + (["extreme"] * 2 if allow_extreme else [])
+        + (["invalid"] if allow_invalid else [])
+    )
     kind = draw(st.sampled_from(kinds))
     pool = {"ordinary": ORDINARY, "extreme": EXTREME, "invalid": INVALID}[kind]
     return draw(st.sampled_from(pool)), kind
@@ -104,8 +107,15 @@ def _fault_kind(draw) -> str:
     return draw(st.sampled_from(["none"] * 5 + ["size", "dtype", "alias", "readonly"]))
 
 
-def _inject(draw, kind: str, outs: list[np.ndarray], ins: list[np.ndarray], out_name: str,
-            in_name: str, bad_out_dtype: str) -> list[str]:
+def _inject(
+    draw,
+    kind: str,
+    outs: list[np.ndarray],
+    ins: list[np.ndarray],
+    out_name: str,
+    in_name: str,
+    bad_out_dtype: str,
+) -> list[str]:
     """Spoil one list entry in place for `kind`; the argument names a refusal may name."""
     if kind == "none" or not outs:
         return []
@@ -137,8 +147,10 @@ def accumulate_calls(draw) -> Call:
     sizes = _sizes(draw)
     acc_dt = draw(st.sampled_from(["float32", "float64"]))
     accs = [_array(draw, n, acc_dt, False) for n in sizes]
-    grads = [_array(draw, n, draw(st.sampled_from(["float32", "float64", "float16"])), True)
-             for n in sizes]
+    grads = [
+        _array(draw, n, draw(st.sampled_from(["float32", "float64", "float16"])), True)
+        for n in sizes
+    ]
     weight, wkind = _scalar(draw)
     mode = draw(st.sampled_from(["sum", "mean", "running_mean"]))
     before_w = draw(st.sampled_from([0.0, 1.0, 7.0]))
@@ -152,8 +164,15 @@ def accumulate_calls(draw) -> Call:
     g0 = [g.astype(np.float64) for g in grads]
 
     def run():
-        return core.accumulate(accs, grads, weight=weight, mode=mode, weight_before=before_w,
-                               overwrite=overwrite, compute_sumsq=True)
+        return core.accumulate(
+            accs,
+            grads,
+            weight=weight,
+            mode=mode,
+            weight_before=before_w,
+            overwrite=overwrite,
+            compute_sumsq=True,
+        )
 
     def check(result):
         total = (0.0 if overwrite else before_w) + weight
@@ -215,8 +234,9 @@ def apply_calls(draw) -> Call:
     wd = draw(st.sampled_from([0.0, 0.01]))
     skip = draw(st.booleans())
     step = draw(st.integers(1, 3))
-    fault = _inject(draw, _fault_kind(draw), accs, params or [], "accumulators", "params",
-                    "float16")
+    fault = _inject(
+        draw, _fault_kind(draw), accs, params or [], "accumulators", "params", "float16"
+    )
     if skind == "invalid":
         fault.append("grad_scale")
     a0 = [a.astype(np.float64) for a in accs]
@@ -225,9 +245,19 @@ def apply_calls(draw) -> Call:
 
     def run():
         kw = {"state1": s1, "state2": s2} if opt != "none" else {}
-        return core.apply(params, accs, optimizer=opt, lr=lr, grad_scale=grad_scale,
-                          weight_decay=wd if opt != "none" else 0.0, momentum=momentum,
-                          skip_nonfinite=skip, step=step, reset=opt != "none", **kw)
+        return core.apply(
+            params,
+            accs,
+            optimizer=opt,
+            lr=lr,
+            grad_scale=grad_scale,
+            weight_decay=wd if opt != "none" else 0.0,
+            momentum=momentum,
+            skip_nonfinite=skip,
+            step=step,
+            reset=opt != "none",
+            **kw,
+        )
 
     def check(result):
         refs = []
@@ -237,11 +267,25 @@ def apply_calls(draw) -> Call:
                 p = p0[i] if p0 else None
                 first = 0.01 + np.zeros_like(g)  # the states' initial values
                 if opt == "sgd":
-                    refs.append(_ref_update(opt, p, g, first if momentum else None, None, lr=lr,
-                                            wd=wd, momentum=momentum, step=step))
+                    refs.append(
+                        _ref_update(
+                            opt,
+                            p,
+                            g,
+                            first if momentum else None,
+                            None,
+                            lr=lr,
+                            wd=wd,
+                            momentum=momentum,
+                            step=step,
+                        )
+                    )
                 else:
-                    refs.append(_ref_update(opt, p, g, first, first + 0.01, lr=lr, wd=wd,
-                                            momentum=0.0, step=step))
+                    refs.append(
+                        _ref_update(
+                            opt, p, g, first, first + 0.01, lr=lr, wd=wd, momentum=0.0, step=step
+                        )
+                    )
         # What the update would store, rounded to its dtypes: all finite, or a skip.
         finite = True
         for i, (p_ref, g_ref, s1_ref, s2_ref) in enumerate(refs):
@@ -304,9 +348,9 @@ def pack_calls(draw) -> Call:
             off = 0
             for i, x in enumerate(l0):
                 if to_flat:
-                    _assert_stored(flat[off:off + x.size], x * scale, f"flat[{off}:]")
+                    _assert_stored(flat[off : off + x.size], x * scale, f"flat[{off}:]")
                 else:
-                    _assert_stored(lst[i], f0[off:off + x.size] * scale, f"dst[{i}]")
+                    _assert_stored(lst[i], f0[off : off + x.size] * scale, f"dst[{i}]")
                 off += x.size
             if to_flat:
                 np.testing.assert_array_equal(flat[off:], flat.astype(np.float64)[off:])
@@ -316,8 +360,9 @@ def pack_calls(draw) -> Call:
 
 @st.composite
 def adaptive_clip_calls(draw) -> Call:
-    sizes = [draw(st.integers(1, 4)) * draw(st.integers(1, 6)) for _ in range(draw(
-        st.integers(1, 3)))]
+    sizes = [
+        draw(st.integers(1, 4)) * draw(st.integers(1, 6)) for _ in range(draw(st.integers(1, 3)))
+    ]
     g_dt = draw(st.sampled_from(["float32", "float64"]))
     params = [_array(draw, n, "float32", False) for n in sizes]
     grads = [_array(draw, n, g_dt, False) for n in sizes]
@@ -345,8 +390,10 @@ def adaptive_clip_calls(draw) -> Call:
 @st.composite
 def sum_of_squares_calls(draw) -> Call:
     sizes = _sizes(draw)
-    ts = [_array(draw, n, draw(st.sampled_from(["float32", "float64", "float16"])), True)
-          for n in sizes]
+    ts = [
+        _array(draw, n, draw(st.sampled_from(["float32", "float64", "float16"])), True)
+        for n in sizes
+    ]
     t0 = [t.astype(np.float64) for t in ts]
 
     def run():
@@ -375,8 +422,9 @@ def _run(call: Call) -> None:
     except (ValueError, TypeError) as e:
         named = call.fault + call.may_refuse
         assert named, f"an ordinary call was refused: {e!r}"
-        assert any(re.search(re.escape(n) + r"(\W|$)", str(e)) for n in named), (
-            f"the error does not name one of {named}: {e}")
+        assert any(
+            re.search(re.escape(n) + r"(\W|$)", str(e)) for n in named
+        ), f"the error does not name one of {named}: {e}"
         for i, (b, a) in enumerate(zip(before, call.buffers)):
             assert a.tobytes() == b, f"buffer {i} changed by a refused call ({e})"
         event("refused: fault" if call.fault else "refused: precision")

@@ -108,9 +108,15 @@ def test_grad_scale_outside_float32_is_refused_for_float32_accumulators(grad_sca
     assert_unchanged(before, params + accs)
 
 
-@pytest.mark.parametrize(("name", "kwargs"), [("lr", {"lr": 1e-50}), ("lr", {"lr": 1e39}),
-                                              ("weight_decay", {"weight_decay": 1e-45}),
-                                              ("momentum", {"momentum": 1e-39})])
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("lr", {"lr": 1e-50}),
+        ("lr", {"lr": 1e39}),
+        ("weight_decay", {"weight_decay": 1e-45}),
+        ("momentum", {"momentum": 1e-39}),
+    ],
+)
 def test_optimizer_scalars_outside_float32_are_refused(name, kwargs):
     params, accs = [np.ones(6, F32)], [np.full(6, 0.5, F32)]
     state = [np.zeros(6, F32)]
@@ -139,10 +145,25 @@ def test_float64_accumulators_drive_float32_params_in_float64():
     params = [np.full(3, 2.0, F32)]
     acc = [np.full(3, 1e300, F64)]
     m, v = [np.zeros(3, F32)], [np.zeros(3, F32)]
-    core.apply(params, acc, optimizer="adamw", lr=0.01, grad_scale=1e-300, state1=m, state2=v,
-               weight_decay=0.1)
-    p_ref, m_ref, v_ref = ref_adam(np.full(3, 2.0), np.ones(3), np.zeros(3), np.zeros(3),
-                                   lr=0.01, weight_decay=0.1, decoupled=True)
+    core.apply(
+        params,
+        acc,
+        optimizer="adamw",
+        lr=0.01,
+        grad_scale=1e-300,
+        state1=m,
+        state2=v,
+        weight_decay=0.1,
+    )
+    p_ref, m_ref, v_ref = ref_adam(
+        np.full(3, 2.0),
+        np.ones(3),
+        np.zeros(3),
+        np.zeros(3),
+        lr=0.01,
+        weight_decay=0.1,
+        decoupled=True,
+    )
     assert_close(params[0], p_ref, "float32")
     assert_close(m[0], m_ref, "float32")
     assert_close(v[0], v_ref, "float32")
@@ -172,14 +193,24 @@ def _adam_case(acc_value, grad_scale=1.0, dtype=F32):
 
 @pytest.mark.parametrize(
     ("acc_value", "grad_scale", "why"),
-    [(1e22, 1.0, "Adam's (1 − β2)·g² overflows float32"),
-     (1e30, 1e10, "the scaled gradient overflows float32")],
+    [
+        (1e22, 1.0, "Adam's (1 − β2)·g² overflows float32"),
+        (1e30, 1e10, "the scaled gradient overflows float32"),
+    ],
 )
 def test_skip_nonfinite_catches_overflow_inside_the_update(acc_value, grad_scale, why):
     params, accs, s1, s2, scale = _adam_case(acc_value, grad_scale)
     before = snapshot(params + s1 + s2)
-    r = core.apply(params, accs, optimizer="adam", lr=1e-3, grad_scale=scale, state1=s1,
-                   state2=s2, skip_nonfinite=True)
+    r = core.apply(
+        params,
+        accs,
+        optimizer="adam",
+        lr=1e-3,
+        grad_scale=scale,
+        state1=s1,
+        state2=s2,
+        skip_nonfinite=True,
+    )
     assert r.skipped, why
     assert_unchanged(before, params + s1 + s2)
     np.testing.assert_array_equal(accs[0], 0.0)  # reset, as for any skipped cycle
@@ -199,8 +230,9 @@ def test_skip_nonfinite_catches_a_float16_store_out_of_range():
 def test_skip_nonfinite_applies_a_finite_update_unchanged():
     params, accs, s1, s2, _ = _adam_case(0.25)
     p2, a2, t1, t2, _ = _adam_case(0.25)
-    r = core.apply(params, accs, optimizer="adam", lr=1e-3, state1=s1, state2=s2,
-                   skip_nonfinite=True)
+    r = core.apply(
+        params, accs, optimizer="adam", lr=1e-3, state1=s1, state2=s2, skip_nonfinite=True
+    )
     core.apply(p2, a2, optimizer="adam", lr=1e-3, state1=t1, state2=t2)
     assert not r.skipped
     for x, y in zip(params + s1 + s2, p2 + t1 + t2):

@@ -42,11 +42,14 @@ def test_sum_of_squares_and_global_norm(kind, dtype):
 def test_global_norm_of_mixed_dtypes_matches_torch():
     torch = need_torch()
     r = rng(2)
-    ts = [make(r.standard_normal(s), d, "torch")
-          for s, d in zip(SIZES, ("bfloat16", "float16", "float32"))]
+    ts = [
+        make(r.standard_normal(s), d, "torch")
+        for s, d in zip(SIZES, ("bfloat16", "float16", "float32"))
+    ]
     ts.append(make(r.standard_normal(9), "float64", "numpy"))
     expect = torch.linalg.vector_norm(
-        torch.cat([torch.as_tensor(to_f64(t)).reshape(-1) for t in ts])).item()
+        torch.cat([torch.as_tensor(to_f64(t)).reshape(-1) for t in ts])
+    ).item()
     assert core.global_norm(ts) == pytest.approx(expect, rel=1e-12)
 
 
@@ -90,12 +93,18 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
 
 
 def test_reductions_do_not_depend_on_the_thread_count():
-    here = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], capture_output=True,
-                          text=True, check=True).stdout
+    here = subprocess.run(
+        [sys.executable, "-c", _DETERMINISM_SCRIPT], capture_output=True, text=True, check=True
+    ).stdout
     other = "3" if load_core().num_threads() == 1 else "1"
     env = dict(os.environ, OMP_NUM_THREADS=other)
-    there = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], capture_output=True,
-                           text=True, check=True, env=env).stdout
+    there = subprocess.run(
+        [sys.executable, "-c", _DETERMINISM_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
     assert len(here.split()) == 2 + 1 + 36_000
     assert here == there
 
@@ -103,20 +112,32 @@ def test_reductions_do_not_depend_on_the_thread_count():
 # ---- unit layouts ----
 
 
-@pytest.mark.parametrize(("shape", "units"), [
-    ((), 1), ((5,), 1), ((4, 3), 4), ((8, 3, 3, 3), 8), ((6, 2, 2, 2, 2), 6), ((2,) * 6, 2),
-])
+@pytest.mark.parametrize(
+    ("shape", "units"),
+    [
+        ((), 1),
+        ((5,), 1),
+        ((4, 3), 4),
+        ((8, 3, 3, 3), 8),
+        ((6, 2, 2, 2, 2), 6),
+        ((2,) * 6, 2),
+    ],
+)
 def test_unit_layout_leading(shape, units):
     assert core.unit_layout(shape, "leading") == (units, "leading")
 
 
-@pytest.mark.parametrize(("shape", "units"), [
-    ((), 1), ((5,), 1),
-    ((3, 4), 4),            # rank 2: norm over axis 0
-    ((2, 3, 4), 12),        # rank 3: norm over axis 0
-    ((3, 3, 2, 5), 5),      # rank 4: norm over axes 0, 1, 2
-    ((2, 3, 3, 2, 7), 7),   # rank 5: norm over axes 0, 1, 2, 3
-])
+@pytest.mark.parametrize(
+    ("shape", "units"),
+    [
+        ((), 1),
+        ((5,), 1),
+        ((3, 4), 4),  # rank 2: norm over axis 0
+        ((2, 3, 4), 12),  # rank 3: norm over axis 0
+        ((3, 3, 2, 5), 5),  # rank 4: norm over axes 0, 1, 2
+        ((2, 3, 3, 2, 7), 7),  # rank 5: norm over axes 0, 1, 2, 3
+    ],
+)
 def test_unit_layout_trailing_follows_the_keras_package(shape, units):
     assert core.unit_layout(shape, "trailing") == (units, "trailing")
 
@@ -135,8 +156,10 @@ TRAILING_SHAPES = [(6,), (7, 5), (3, 4, 6), (3, 3, 4, 8), (2, 2, 2, 3, 5), (40_0
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("layout", "shape"), [("leading", s) for s in LEADING_SHAPES]
-                         + [("trailing", s) for s in TRAILING_SHAPES])
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [("leading", s) for s in LEADING_SHAPES] + [("trailing", s) for s in TRAILING_SHAPES],
+)
 def test_unitwise_norm(kind, layout, shape):
     x = make(rng(4).standard_normal(shape), "float32", kind)
     got = core.unitwise_norm(x, layout=layout)
@@ -184,8 +207,10 @@ def _agc_case(seed, shapes, kind, pdtype, layout):
     return params, grads
 
 
-@pytest.mark.parametrize(("kind", "pdtype"), [("numpy", "float32"), ("torch", "float32"),
-                                              ("torch", "bfloat16"), ("numpy", "float16")])
+@pytest.mark.parametrize(
+    ("kind", "pdtype"),
+    [("numpy", "float32"), ("torch", "float32"), ("torch", "bfloat16"), ("numpy", "float16")],
+)
 @pytest.mark.parametrize("layout", ["leading", "trailing"])
 def test_adaptive_clip_follows_the_nfnets_rule(kind, pdtype, layout):
     if kind == "torch":
@@ -193,8 +218,9 @@ def test_adaptive_clip_follows_the_nfnets_rule(kind, pdtype, layout):
     shapes = LEADING_SHAPES[:4] if layout == "leading" else TRAILING_SHAPES[:5]
     params, grads = _agc_case(6, shapes, kind, pdtype, layout)
     before = [to_f64(g) for g in grads]
-    expect = [ref_agc(p, g, clip_factor=0.02, eps=1e-3, layout=layout)
-              for p, g in zip(params, grads)]
+    expect = [
+        ref_agc(p, g, clip_factor=0.02, eps=1e-3, layout=layout) for p, g in zip(params, grads)
+    ]
     core.adaptive_clip(params, grads, clip_factor=0.02, eps=1e-3, layout=layout)
     clipped = kept = 0
     for g, e, b in zip(grads, expect, before):

@@ -32,8 +32,14 @@ def test_pack_unpack_round_trip(kind_low, flat_dtype):
     expect = np.concatenate([to_f64(s).reshape(-1) for s in src])
     np.testing.assert_array_equal(flat[:total], 0.5 * expect)  # exact: scaled by a power of 2
     np.testing.assert_array_equal(flat[total:], 123.0)  # the tail is not touched
-    dst = [make(np.full(s.shape, np.nan), str(s.dtype).replace("torch.", ""),
-                "torch" if hasattr(s, "detach") else "numpy") for s in src]
+    dst = [
+        make(
+            np.full(s.shape, np.nan),
+            str(s.dtype).replace("torch.", ""),
+            "torch" if hasattr(s, "detach") else "numpy",
+        )
+        for s in src
+    ]
     core.unpack(flat, dst, scale=2.0)
     for d, s in zip(dst, src):
         assert d.dtype == s.dtype
@@ -64,8 +70,13 @@ def test_pack_of_nothing():
 
 def test_zero_every_dtype():
     torch = need_torch()
-    ts = [np.ones((3, 3), np.float32), np.ones(40_000, np.float64), np.ones(5, np.float16),
-          torch.ones(7, dtype=torch.bfloat16), torch.full((2, 2), np.nan)]
+    ts = [
+        np.ones((3, 3), np.float32),
+        np.ones(40_000, np.float64),
+        np.ones(5, np.float16),
+        torch.ones(7, dtype=torch.bfloat16),
+        torch.full((2, 2), np.nan),
+    ]
     other = np.ones(4, np.float32)
     core.zero(ts)
     for t in ts:
@@ -120,8 +131,7 @@ def _check_plan(numels, plan, *, alignment, bucket_numel, reverse):
 @pytest.mark.parametrize("bucket_numel", [1, 100, 1000, 10**9])
 def test_arena_plan(reverse, alignment, bucket_numel):
     numels = [10, 3, 400, 0, 17, 1, 250, 64, 999]
-    plan = core.arena_plan(numels, alignment=alignment, bucket_numel=bucket_numel,
-                           reverse=reverse)
+    plan = core.arena_plan(numels, alignment=alignment, bucket_numel=bucket_numel, reverse=reverse)
     _check_plan(numels, plan, alignment=alignment, bucket_numel=bucket_numel, reverse=reverse)
 
 
@@ -129,11 +139,13 @@ def test_arena_plan_small_example():
     plan = core.arena_plan([10, 3, 40], alignment=16, bucket_numel=20)
     # last tensor first: 40 → [0, 48), 3 → [48, 64), 10 → [64, 80); the first bucket closes
     # after the 48 elements of the last tensor
-    assert plan == core.ArenaPlan(offsets=[64, 48, 0], bucket_of=[1, 1, 0],
-                                  bucket_start=[0, 48, 80], total=80)
+    assert plan == core.ArenaPlan(
+        offsets=[64, 48, 0], bucket_of=[1, 1, 0], bucket_start=[0, 48, 80], total=80
+    )
     fwd = core.arena_plan([10, 3, 40], alignment=16, bucket_numel=20, reverse=False)
-    assert fwd == core.ArenaPlan(offsets=[0, 16, 32], bucket_of=[0, 0, 1],
-                                 bucket_start=[0, 32, 80], total=80)
+    assert fwd == core.ArenaPlan(
+        offsets=[0, 16, 32], bucket_of=[0, 0, 1], bucket_start=[0, 32, 80], total=80
+    )
 
 
 def test_arena_plan_defaults_and_empty():
@@ -197,8 +209,9 @@ def test_arena_views_as_accumulators_and_grads():
     acc_np = [np.from_dlpack(arena.view(o, s)) for o, s in zip(plan.offsets, shapes)]
     grads = [torch.ones(s) * (i + 1) for i, s in enumerate(shapes)]
     # the core writes through DLPack views exported by the arena itself
-    core.accumulate([arena.view(o, s) for o, s in zip(plan.offsets, shapes)], grads,
-                    weight=2.0, overwrite=True)
+    core.accumulate(
+        [arena.view(o, s) for o, s in zip(plan.offsets, shapes)], grads, weight=2.0, overwrite=True
+    )
     np.testing.assert_array_equal(acc_np[0], 2.0)
     np.testing.assert_array_equal(acc_np[1], 4.0)
     flat = np.from_dlpack(arena.view(0, (plan.total,)))

@@ -25,11 +25,14 @@ TOL = 1e-5  # relative max|Δw| the examples promise in fp32
 
 def _run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
     pkg_parent = str(Path(gradient_accumulator.__file__).resolve().parents[1])
-    full_env = {**os.environ, "PYTHONPATH": pkg_parent, "TF_CPP_MIN_LOG_LEVEL": "2",
-                **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": pkg_parent, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], env=full_env, capture_output=True,
-        text=True, timeout=600, cwd=EXAMPLES.parent,
+        [sys.executable, str(EXAMPLES / script), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=EXAMPLES.parent,
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -56,8 +59,7 @@ def test_keras_digits_on_each_backend(backend):
     pytest.importorskip("keras")
     pytest.importorskip("sklearn")
     pytest.importorskip({"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[backend])
-    out = _run("keras_digits.py", "--epochs", "2", "--verbose", "0",
-               env={"KERAS_BACKEND": backend})
+    out = _run("keras_digits.py", "--epochs", "2", "--verbose", "0", env={"KERAS_BACKEND": backend})
     assert f"backend {backend}:" in out
     assert "equivalent to the big batch" in out and "NOT" not in out
     assert _number(r"largest weight difference \(relative\):\s+(\S+)", out) <= TOL

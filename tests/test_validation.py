@@ -17,15 +17,28 @@ import pytest
 from gradient_accumulator import _validation as v
 
 BAD_COUNTS = [
-    ("4", TypeError), (4.0, TypeError), (True, TypeError), (None, TypeError),
-    (np.float32(4), TypeError), (0, ValueError), (-3, ValueError), (np.int64(0), ValueError),
-    (2**31, ValueError), (10**12, ValueError),
+    ("4", TypeError),
+    (4.0, TypeError),
+    (True, TypeError),
+    (None, TypeError),
+    (np.float32(4), TypeError),
+    (0, ValueError),
+    (-3, ValueError),
+    (np.int64(0), ValueError),
+    (2**31, ValueError),
+    (10**12, ValueError),
 ]
 GOOD_COUNTS = [1, 4, np.int64(4), np.int32(7), np.uint8(3), 2**31 - 1]
 BAD_POSITIVE = [
-    ("1", TypeError), (None, TypeError), (True, TypeError), (0.0, ValueError),
-    (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError),
-    (np.float32("nan"), ValueError), (np.float64(-2), ValueError),
+    ("1", TypeError),
+    (None, TypeError),
+    (True, TypeError),
+    (0.0, ValueError),
+    (-1.0, ValueError),
+    (math.nan, ValueError),
+    (math.inf, ValueError),
+    (np.float32("nan"), ValueError),
+    (np.float64(-2), ValueError),
 ]
 
 
@@ -55,8 +68,9 @@ def test_positive_reals_accept_numpy_and_zero_when_allowed():
         v.check_positive(0, "eps")
 
 
-@pytest.mark.parametrize(("value", "error"), [(1.0, TypeError), ("yes", TypeError),
-                                              (2, TypeError), (None, TypeError)])
+@pytest.mark.parametrize(
+    ("value", "error"), [(1.0, TypeError), ("yes", TypeError), (2, TypeError), (None, TypeError)]
+)
 def test_bools(value, error):
     with pytest.raises(error, match="use_agc"):
         v.check_bool(value, "use_agc")
@@ -134,8 +148,10 @@ def test_torch_positive_reals_same_error_everywhere(name, value, error):
         REAL_SITES[name](value)
 
 
-@pytest.mark.parametrize(("value", "error"), [("x", TypeError), (-0.5, ValueError),
-                                              (math.inf, ValueError), (True, TypeError)])
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("x", TypeError), (-0.5, ValueError), (math.inf, ValueError), (True, TypeError)],
+)
 def test_torch_agc_eps_and_step_weight(value, error):
     with pytest.raises(error, match="eps"):
         _opt(use_agc=True, eps=value)

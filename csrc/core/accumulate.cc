@@ -32,7 +32,8 @@ void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_lis
     fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
   double alpha = 1.0, beta = w;
   switch (raw_enum(options->mode)) {  // any int may arrive from C: validate it as one
-    case kGaAccumulateSum: break;
+    case kGaAccumulateSum:
+      break;
     case kGaAccumulateRunningMean: {
       const double before = options->overwrite ? 0.0 : options->weight_before;
       if (!std::isfinite(before) || before < 0)
@@ -44,7 +45,8 @@ void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_lis
       beta = w / total;
       break;
     }
-    default: fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
+    default:
+      fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
   }
   // float32 accumulators are updated with alpha and beta rounded to float32: a weight that
   // rounds to ±inf or flushes towards 0 there would corrupt them silently.
@@ -52,7 +54,8 @@ void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_lis
   for (int64_t i = 0; i < accumulators.size; ++i)
     any_fp32 = any_fp32 || accumulators.tensors[i].dtype == kGaFloat32;
   if (any_fp32) {
-    check_fits_float32(beta, "weight", "by float32 accumulators (pass float64 accumulators for "
+    check_fits_float32(beta, "weight",
+                       "by float32 accumulators (pass float64 accumulators for "
                        "wider weights)");
     check_fits_float32(alpha, "weight_before", "by float32 accumulators");
   }
@@ -79,9 +82,16 @@ extern "C" ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list g
     make_chunks(accumulators, chunks);
     bad.assign(chunks.size(), 0);
     if (want_sumsq) part.assign(chunks.size(), 0.0);
-    AccumulateArgs a{accumulators.tensors, grads.tensors, static_cast<float>(alpha),
-                     static_cast<float>(beta), options->overwrite != 0, want_sumsq != 0,
-                     chunks.data(), static_cast<int64_t>(chunks.size()), bad.data(), part.data()};
+    AccumulateArgs a{accumulators.tensors,
+                     grads.tensors,
+                     static_cast<float>(alpha),
+                     static_cast<float>(beta),
+                     options->overwrite != 0,
+                     want_sumsq != 0,
+                     chunks.data(),
+                     static_cast<int64_t>(chunks.size()),
+                     bad.data(),
+                     part.data()};
     a.alpha64 = alpha;
     a.beta64 = beta;
     if (!chunks.empty()) cpu_kernels().accumulate(a);

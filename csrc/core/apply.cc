@@ -27,9 +27,11 @@ void check_finite(double v, const char* name, double lo, bool lo_inclusive) {
 }
 
 void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_tensors) {
-  if (!std::isfinite(o.grad_scale)) fail(kGaInvalidArgument, "grad_scale", "grad_scale must be finite");
+  if (!std::isfinite(o.grad_scale))
+    fail(kGaInvalidArgument, "grad_scale", "grad_scale must be finite");
   switch (raw_enum(o.clip)) {  // any int may arrive from C: validate it as one
-    case kGaClipNone: break;
+    case kGaClipNone:
+      break;
     case kGaClipGlobalNorm:
       if (!has_coef_ptr) check_finite(o.max_norm, "max_norm", 0.0, false);
       break;
@@ -39,24 +41,31 @@ void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_
       if (o.units == nullptr && num_tensors != 0)
         fail(kGaInvalidArgument, "units", "AGC needs the unit layout of every tensor");
       break;
-    default: fail(kGaInvalidArgument, "clip", "unknown clip mode");
+    default:
+      fail(kGaInvalidArgument, "clip", "unknown clip mode");
   }
   switch (raw_enum(o.optimizer)) {
-    case kGaOptimizerNone: return;
+    case kGaOptimizerNone:
+      return;
     case kGaOptimizerSGD:
       check_finite(o.momentum, "momentum", 0.0, true);
       check_finite(o.dampening, "dampening", -1e300, true);
       if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
-        fail(kGaInvalidArgument, "nesterov", "Nesterov momentum requires a momentum and zero dampening");
+        fail(kGaInvalidArgument, "nesterov",
+             "Nesterov momentum requires a momentum and zero dampening");
       break;
     case kGaOptimizerAdam:
     case kGaOptimizerAdamW:
-      if (!(o.beta1 >= 0 && o.beta1 < 1)) fail(kGaInvalidArgument, "beta1", "beta1 must be in [0, 1)");
-      if (!(o.beta2 >= 0 && o.beta2 < 1)) fail(kGaInvalidArgument, "beta2", "beta2 must be in [0, 1)");
+      if (!(o.beta1 >= 0 && o.beta1 < 1))
+        fail(kGaInvalidArgument, "beta1", "beta1 must be in [0, 1)");
+      if (!(o.beta2 >= 0 && o.beta2 < 1))
+        fail(kGaInvalidArgument, "beta2", "beta2 must be in [0, 1)");
       check_finite(o.adam_eps, "eps", 0.0, true);
-      if (o.step < 1) fail(kGaInvalidArgument, "step", "step must be >= 1 (the step this update makes)");
+      if (o.step < 1)
+        fail(kGaInvalidArgument, "step", "step must be >= 1 (the step this update makes)");
       break;
-    default: fail(kGaInvalidArgument, "optimizer", "unknown optimizer");
+    default:
+      fail(kGaInvalidArgument, "optimizer", "unknown optimizer");
   }
   check_finite(o.lr, "lr", 0.0, true);
   check_finite(o.weight_decay, "weight_decay", 0.0, true);
@@ -123,11 +132,18 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
   }
   if (device == kGaCUDA) {
     int32_t id = -1;
-    check_all_cuda({{&t.accumulators, acc_name}, {&params, param_name}, {&s1, "state1"},
-                    {&s2, "state2"}, {&out, "grads_out"}}, &id);
+    check_all_cuda({{&t.accumulators, acc_name},
+                    {&params, param_name},
+                    {&s1, "state1"},
+                    {&s2, "state2"},
+                    {&out, "grads_out"}},
+                   &id);
   } else {
-    check_all_cpu({{&t.accumulators, acc_name}, {&params, param_name}, {&s1, "state1"},
-                   {&s2, "state2"}, {&out, "grads_out"}});
+    check_all_cpu({{&t.accumulators, acc_name},
+                   {&params, param_name},
+                   {&s1, "state1"},
+                   {&s2, "state2"},
+                   {&out, "grads_out"}});
   }
   if (agc) {
     for (int64_t i = 0; i < t.accumulators.size; ++i)
@@ -248,7 +264,8 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
     }
     if (skip) {
       if (o.reset)
-        for (int64_t i = 0; i < t.accumulators.size; ++i) cpu_kernels().zero(t.accumulators.tensors[i]);
+        for (int64_t i = 0; i < t.accumulators.size; ++i)
+          cpu_kernels().zero(t.accumulators.tensors[i]);
       return;
     }
     if (!chunks.empty()) cpu_kernels().apply(a);

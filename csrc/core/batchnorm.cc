@@ -44,12 +44,13 @@ extern "C" ga_status ga_bn_moments(ga_tensor x, int64_t outer, int64_t channels,
   return guarded([&] {
     check_tensor(x, "x");
     if (outer < 0 || channels < 1 || inner < 0)
-      fail(kGaInvalidArgument, "channels", "outer, channels and inner must be >= 0 (channels >= 1)");
+      fail(kGaInvalidArgument, "channels",
+           "outer, channels and inner must be >= 0 (channels >= 1)");
     const int64_t expected = checked_mul(checked_mul(outer, channels, "channels"), inner, "inner");
     if (expected != x.numel)
       fail(kGaInvalidArgument, "x",
-           "x has " + std::to_string(x.numel) + " elements, not outer*channels*inner = " +
-               std::to_string(expected));
+           "x has " + std::to_string(x.numel) +
+               " elements, not outer*channels*inner = " + std::to_string(expected));
     if (x.device_type != kGaCPU) fail(kGaTypeError, "x", "x must be a CPU tensor");
     check_stats({{&mean, "mean"}, {&m2, "m2"}}, channels);
     std::vector<Range> w, r;
@@ -89,10 +90,12 @@ void validate_bn_merge(const double* count_a, const ga_tensor& mean_a, const ga_
 }
 
 void validate_bn_update(const ga_tensor& running_mean, const ga_tensor& running_var,
-                        const ga_tensor& mean, const ga_tensor& m2, double count,
-                        double new_weight, int unbiased, ga_device_type device) {
+                        const ga_tensor& mean, const ga_tensor& m2, double count, double new_weight,
+                        int unbiased, ga_device_type device) {
   const int64_t n = running_mean.numel;
-  check_stats({{&running_mean, "running_mean"}, {&running_var, "running_var"}, {&mean, "mean"},
+  check_stats({{&running_mean, "running_mean"},
+               {&running_var, "running_var"},
+               {&mean, "mean"},
                {&m2, "m2"}},
               n, device);
   if (!std::isfinite(count) || count <= 0 || (unbiased && count <= 1))
@@ -111,8 +114,8 @@ void validate_bn_update(const ga_tensor& running_mean, const ga_tensor& running_
 }  // namespace detail
 }  // namespace ga
 
-extern "C" ga_status ga_bn_merge(double* count_a, ga_tensor mean_a, ga_tensor m2_a,
-                                 double count_b, ga_tensor mean_b, ga_tensor m2_b) {
+extern "C" ga_status ga_bn_merge(double* count_a, ga_tensor mean_a, ga_tensor m2_a, double count_b,
+                                 ga_tensor mean_b, ga_tensor m2_b) {
   return guarded([&] {
     validate_bn_merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b, kGaCPU);
     const int64_t n = mean_a.numel;

@@ -34,11 +34,16 @@ void clear_last_error() {
 
 const char* dtype_name(ga_dtype dtype) {
   switch (raw_enum(dtype)) {
-    case kGaFloat32: return "float32";
-    case kGaFloat16: return "float16";
-    case kGaBFloat16: return "bfloat16";
-    case kGaFloat64: return "float64";
-    default: return "unknown";
+    case kGaFloat32:
+      return "float32";
+    case kGaFloat16:
+      return "float16";
+    case kGaBFloat16:
+      return "bfloat16";
+    case kGaFloat64:
+      return "float64";
+    default:
+      return "unknown";
   }
 }
 
@@ -51,8 +56,10 @@ std::string format_double(double v) {
 void check_fits_float32(double v, const std::string& name, const char* why) {
   if (!fits_float32(v))
     fail(kGaInvalidArgument, name,
-         name + " = " + format_double(v) + " is not representable as a normal float32 (0 or "
-         "1.18e-38 <= |x| <= 3.4e38), the precision it is used in " + why);
+         name + " = " + format_double(v) +
+             " is not representable as a normal float32 (0 or "
+             "1.18e-38 <= |x| <= 3.4e38), the precision it is used in " +
+             why);
 }
 
 void check_tensor(const ga_tensor& t, const std::string& name) {
@@ -131,8 +138,10 @@ void check_cuda(const ga_tensor& t, const std::string& name, int32_t* device) {
   if (*device < 0) *device = t.device_id;
   if (t.device_id != *device)
     fail(kGaTypeError, name,
-         name + " is on cuda:" + std::to_string(t.device_id) + " but the call's other tensors "
-         "are on cuda:" + std::to_string(*device));
+         name + " is on cuda:" + std::to_string(t.device_id) +
+             " but the call's other tensors "
+             "are on cuda:" +
+             std::to_string(*device));
 }
 
 void check_all_cuda(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists,
@@ -219,11 +228,16 @@ const char* ga_last_error_argument(void) { return ga::detail::g_argument.c_str()
 
 size_t ga_dtype_size(ga_dtype dtype) {
   switch (ga::detail::raw_enum(dtype)) {  // any int may arrive from C: read it as one
-    case kGaFloat32: return 4;
-    case kGaFloat16: return 2;
-    case kGaBFloat16: return 2;
-    case kGaFloat64: return 8;
-    default: return 0;
+    case kGaFloat32:
+      return 4;
+    case kGaFloat16:
+      return 2;
+    case kGaBFloat16:
+      return 2;
+    case kGaFloat64:
+      return 8;
+    default:
+      return 0;
   }
 }
 

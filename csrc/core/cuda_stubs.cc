@@ -40,8 +40,8 @@ ga_status ga_cuda_zero(ga_tensor_list, void*) { return unsupported(); }
 ga_status ga_cuda_bn_merge(double*, ga_tensor, ga_tensor, double, ga_tensor, ga_tensor, void*) {
   return unsupported();
 }
-ga_status ga_cuda_bn_update_running(ga_tensor, ga_tensor, ga_tensor, ga_tensor, double, double,
-                                    int, void*) {
+ga_status ga_cuda_bn_update_running(ga_tensor, ga_tensor, ga_tensor, ga_tensor, double, double, int,
+                                    void*) {
   return unsupported();
 }
 

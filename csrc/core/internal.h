@@ -6,10 +6,10 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <type_traits>
 #include <new>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gradient_accumulator/gradient_accumulator.h"
@@ -100,7 +100,6 @@ inline std::string item(const std::string& list, int64_t i) {
   return list + "[" + std::to_string(i) + "]";
 }
 
-
 /// Checks a descriptor: known dtype, non-negative numel, data present, device allowed.
 void check_tensor(const ga_tensor& t, const std::string& name);
 void check_list(const ga_tensor_list& list, const std::string& name);
@@ -133,8 +132,8 @@ void check_disjoint(std::vector<Range> written, const std::vector<Range>& read);
 // checked before anything is written; `device` selects the device and dtype rules ----
 
 void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_list& grads,
-                         const ga_accumulate_options* options, ga_device_type device,
-                         double* alpha, double* beta);
+                         const ga_accumulate_options* options, ga_device_type device, double* alpha,
+                         double* beta);
 void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const char* acc_name,
                     const char* param_name, ga_device_type device);
 void validate_unitwise_norm(const ga_tensor& tensor, const ga_units& units, const ga_tensor& norms,
@@ -145,13 +144,13 @@ void validate_bn_merge(const double* count_a, const ga_tensor& mean_a, const ga_
                        double count_b, const ga_tensor& mean_b, const ga_tensor& m2_b,
                        ga_device_type device);
 void validate_bn_update(const ga_tensor& running_mean, const ga_tensor& running_var,
-                        const ga_tensor& mean, const ga_tensor& m2, double count,
-                        double new_weight, int unbiased, ga_device_type device);
+                        const ga_tensor& mean, const ga_tensor& m2, double count, double new_weight,
+                        int unbiased, ga_device_type device);
 
 /// AGC as an apply: no optimizer, gradient scale 1, the clipped gradient written in place.
 inline void agc_as_apply(const ga_tensor_list& params, const ga_tensor_list& grads,
-                         const ga_units* units, double clip_factor, double eps,
-                         ga_apply_tensors* t, ga_apply_options* o) {
+                         const ga_units* units, double clip_factor, double eps, ga_apply_tensors* t,
+                         ga_apply_options* o) {
   *t = ga_apply_tensors{};
   t->params = params;
   t->accumulators = grads;
@@ -222,9 +221,9 @@ struct UnitSumsqArgs {
 struct ApplyArgs {
   const ga_apply_tensors* t;
   const ga_apply_options* o;
-  float grad_scale;             // grad_scale · global clip coefficient
-  const float* unit_scale;      // AGC: grad_scale · coefficient of every unit of every tensor
-  const int64_t* unit_offset;   // AGC: index of tensor i's first unit in unit_scale
+  float grad_scale;            // grad_scale · global clip coefficient
+  const float* unit_scale;     // AGC: grad_scale · coefficient of every unit of every tensor
+  const int64_t* unit_offset;  // AGC: index of tensor i's first unit in unit_scale
   const Chunk* chunks;
   int64_t num_chunks;
   double grad_scale64 = 1.0;             // the same unrounded, for float64 accumulators
@@ -247,8 +246,8 @@ struct Kernels {
   void (*unit_sumsq)(const UnitSumsqArgs&);
   void (*apply)(const ApplyArgs&);
   void (*bn_moments)(const BnMomentsArgs&);
-  void (*copy_scaled)(const ga_tensor& src, int64_t src_off, const ga_tensor& dst,
-                      int64_t dst_off, int64_t n, double scale);
+  void (*copy_scaled)(const ga_tensor& src, int64_t src_off, const ga_tensor& dst, int64_t dst_off,
+                      int64_t n, double scale);
   void (*zero)(const ga_tensor& t);
 };
 

@@ -11,8 +11,7 @@ namespace ga {
 namespace detail {
 
 void check_units(const ga_tensor& t, const ga_units& u, const std::string& name) {
-  if (u.num_units < 1)
-    fail(kGaInvalidArgument, name, name + ": num_units must be >= 1");
+  if (u.num_units < 1) fail(kGaInvalidArgument, name, name + ": num_units must be >= 1");
   const int64_t layout = raw_enum(u.layout);  // any int may arrive from C
   if (layout != kGaUnitsLeading && layout != kGaUnitsTrailing)
     fail(kGaInvalidArgument, name, name + ": unknown unit layout");

@@ -1,4 +1,5 @@
-// CUDA entry points of cuda.h for accumulate: fold gradients into fp32 accumulators, sums of squares.
+// CUDA entry points of cuda.h for accumulate: fold gradients into fp32 accumulators, sums of
+// squares.
 #include "launch.cuh"
 
 using ga::cuda::CudaBackend;

@@ -1,12 +1,12 @@
-// The fused apply's Adam and AdamW kernels, compiled apart from apply.cu (the other optimizers)
-// so that the two largest sets of kernel instantiations build in parallel.
+// The fused apply's Adam kernels, compiled apart from apply.cu (none, SGD) and apply_adamw.cu
+// so that the largest sets of kernel instantiations build in parallel.
 #include "launch.cuh"
 
 namespace ga {
 namespace cuda {
 
-ga_status apply_adam_family(const ga_apply_tensors* tensors, const ga_apply_options* options,
-                            const float* skip_flag, ga_cuda_apply_stats* stats, void* stream) {
+ga_status apply_adam(const ga_apply_tensors* tensors, const ga_apply_options* options,
+                     const float* skip_flag, ga_cuda_apply_stats* stats, void* stream) {
   const int device = tensors != nullptr ? device_of(tensors->accumulators) : -1;
   return run(device, stream, [&](CudaBackend& b) {
     return apply<CudaBackend, kSetAdam>(b, tensors, options, skip_flag, stats, "accumulators",

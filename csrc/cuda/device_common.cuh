@@ -23,11 +23,11 @@
 namespace ga {
 namespace cuda {
 
-constexpr int kThreads = 256;          // threads per block of the chunked kernels
+constexpr int kThreads = 256;  // threads per block of the chunked kernels
 constexpr int kWarp = 32;
-constexpr int kVec = 8;                // elements a thread handles per step: 16-byte loads
-constexpr int64_t kChunk = 16384;      // elements per chunk: one block's unit of work
-constexpr int kMaxTensors = 48;        // tensors per launch (the argument block stays < 4 KiB)
+constexpr int kVec = 8;            // elements a thread handles per step: 16-byte loads
+constexpr int64_t kChunk = 16384;  // elements per chunk: one block's unit of work
+constexpr int kMaxTensors = 48;    // tensors per launch (the argument block stays < 4 KiB)
 
 struct bf16 {
   uint16_t bits;
@@ -152,7 +152,8 @@ GA_HD float lo_half(uint32_t w, f16) { return to_f(f16{static_cast<uint16_t>(w &
 GA_HD float hi_half(uint32_t w, f16) { return to_f(f16{static_cast<uint16_t>(w >> 16)}); }
 template <typename T>
 GA_HD uint32_t pack_halves(float lo, float hi) {
-  return static_cast<uint32_t>(from_f<T>(lo).bits) | (static_cast<uint32_t>(from_f<T>(hi).bits) << 16);
+  return static_cast<uint32_t>(from_f<T>(lo).bits) |
+         (static_cast<uint32_t>(from_f<T>(hi).bits) << 16);
 }
 
 #if defined(__CUDA_ARCH__)

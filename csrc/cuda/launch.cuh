@@ -2,12 +2,12 @@
 // of device_common.cuh / ops.h, and CudaBackend, which launches them on the caller's stream.
 // Nothing here synchronises with the device.
 //
-// Each op family's translation unit (accumulate.cu, norms.cu, apply.cu, apply_adam.cu, copy.cu,
-// batchnorm.cu) includes this header and instantiates only the kernels its own pipelines need, so the families
-// compile in parallel. The kernels and the backend have internal linkage on purpose: every
-// translation unit registers its own instantiations with the CUDA runtime, and no kernel
-// template is shared across translation units. The per-device state that must exist once (SM
-// counts, the scratch memory pool) is defined in backend.cu.
+// Each op family's translation unit (accumulate.cu, norms.cu, apply.cu, apply_adam.cu,
+// apply_adamw.cu, copy.cu, batchnorm.cu) includes this header and instantiates only the kernels its
+// own pipelines need, so the families compile in parallel. The kernels and the backend have
+// internal linkage on purpose: every translation unit registers its own instantiations with the
+// CUDA runtime, and no kernel template is shared across translation units. The per-device state
+// that must exist once (SM counts, the scratch memory pool) is defined in backend.cu.
 #ifndef GRADIENT_ACCUMULATOR_CUDA_LAUNCH_CUH_
 #define GRADIENT_ACCUMULATOR_CUDA_LAUNCH_CUH_
 
@@ -28,12 +28,13 @@ void check(cudaError_t e, const char* what);
 int sm_count(int device);
 /// The stream-ordered memory pool of the library's scratch memory on `device`.
 cudaMemPool_t scratch_pool(int device);
-/// ga_cuda_apply for Adam and AdamW, defined in apply_adam.cu.
-ga_status apply_adam_family(const ga_apply_tensors* tensors, const ga_apply_options* options,
-                            const float* skip_flag, ga_cuda_apply_stats* stats, void* stream);
+/// ga_cuda_apply for Adam (defined in apply_adam.cu) and AdamW (apply_adamw.cu).
+ga_status apply_adam(const ga_apply_tensors* tensors, const ga_apply_options* options,
+                     const float* skip_flag, ga_cuda_apply_stats* stats, void* stream);
+ga_status apply_adamw(const ga_apply_tensors* tensors, const ga_apply_options* options,
+                      const float* skip_flag, ga_cuda_apply_stats* stats, void* stream);
 
 namespace {
-
 
 // ---- device reductions, in the orders that host_warp_tree / host_block_tree reproduce ----
 
@@ -59,8 +60,10 @@ __device__ __forceinline__ double block_sum(double v) {
 
 // Kernel arguments must fit the classic 4 KiB parameter space (no dependence on CUDA 12.1's
 // larger limit): the fused apply's are the largest.
-static_assert(sizeof(Meta<5>) + sizeof(ApplyOp<Opt::kAdamW, false, true, true, float, float, float>) +
-                  3 * sizeof(void*) <= 4096,
+static_assert(sizeof(Meta<5>) +
+                      sizeof(ApplyOp<Opt::kAdamW, false, true, true, float, float, float>) +
+                      3 * sizeof(void*) <=
+                  4096,
               "launch metadata too large for the kernel parameter space");
 
 template <bool Reduce, int L, typename Op>
@@ -86,8 +89,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kWarps = kThreads / kWarp;
   const int lane = threadIdx.x % kWarp;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t task = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
-       task < tasks; task += stride) {  // the same trip count for every lane of a warp
+  for (int64_t task = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp; task < tasks;
+       task += stride) {  // the same trip count for every lane of a warp
     double s0, s1;
     int u;
     unit_task_lane<L, T0, T1>(m, task, lane, s0, s1, u);
@@ -126,10 +129,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- errors ----
 
-
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
-
-
 
 /// Launches on `stream`, on the current device, which must be the tensors' (`device`): the
 /// library never switches devices (that would create a context on the caller's device; the
@@ -163,11 +163,9 @@ class CudaBackend {
 
   char* workspace(size_t bytes) {
     max_blocks();
-    if (scratch_ != nullptr)
-      detail::fail(kGaRuntimeError, "", "internal: one workspace per call");
+    if (scratch_ != nullptr) detail::fail(kGaRuntimeError, "", "internal: one workspace per call");
     void* p = nullptr;
-    check(cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 256), scratch_pool(device_),
-                                  stream_),
+    check(cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 256), scratch_pool(device_), stream_),
           "cudaMallocFromPoolAsync");
     scratch_ = p;
     return static_cast<char*>(p);
@@ -199,7 +197,8 @@ class CudaBackend {
   template <typename F>
   void for_each(int64_t n, const F& f) {
     if (n == 0) return;
-    const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, max_blocks()));
+    const int blocks =
+        static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, max_blocks()));
     for_each_kernel<F><<<blocks, kThreads, 0, stream_>>>(n, f);
     check_launch("for_each_kernel");
   }

@@ -101,8 +101,8 @@ enum class Opt { kNone, kSGD, kAdam, kAdamW };
 /// Scalars of the fused apply, rounded to fp32 on the host exactly as the CPU kernels do.
 struct ApplyScalars {
   double grad_scale;
-  float lr, wd, momentum, one_minus_dampening, beta1c, beta2, one_minus_beta2, adam_eps,
-      step_size, bc2_sqrt, adamw_decay;
+  float lr, wd, momentum, one_minus_dampening, beta1c, beta2, one_minus_beta2, adam_eps, step_size,
+      bc2_sqrt, adamw_decay;
   int nesterov, maximize, first_momentum, has_wd;
 };
 
@@ -112,12 +112,12 @@ struct ApplyScalars {
 template <Opt O, bool Momentum, bool Reset, bool Agc, typename P, typename S, typename OutT>
 struct ApplyOp {
   ApplyScalars k;
-  const double* coef64;       // clip coefficient computed by the norm pass, or null
-  const float* coef32;        // clip coefficient given by the caller, or null
-  const float* skip0;         // caller's skip flag, or null
-  const float* skip1;         // the norm pass's skip flag, or null
-  const float* unit_scale;    // AGC: grad_scale · coefficient of every unit
-  int in_place;               // kNone without grads_out: write the gradient into the accumulator
+  const double* coef64;     // clip coefficient computed by the norm pass, or null
+  const float* coef32;      // clip coefficient given by the caller, or null
+  const float* skip0;       // caller's skip flag, or null
+  const float* skip1;       // the norm pass's skip flag, or null
+  const float* unit_scale;  // AGC: grad_scale · coefficient of every unit
+  int in_place;             // kNone without grads_out: write the gradient into the accumulator
 
   template <int N, int L>
   GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
@@ -149,9 +149,9 @@ struct ApplyOp {
       }
     } else {
       const float sc = static_cast<float>(
-          coef64 != nullptr ? k.grad_scale * *coef64
-                            : (coef32 != nullptr ? k.grad_scale * static_cast<double>(*coef32)
-                                                 : k.grad_scale));
+          coef64 != nullptr
+              ? k.grad_scale * *coef64
+              : (coef32 != nullptr ? k.grad_scale * static_cast<double>(*coef32) : k.grad_scale));
       for (int e = 0; e < N; ++e) g[e] *= sc;
     }
     for (int e = 0; e < N; ++e) g[e] = k.maximize ? -g[e] : g[e];
@@ -243,17 +243,18 @@ struct StoreSumPost {
 struct NormPost {
   double scale, max_norm;
   int clip_global, coef_given, skip_nonfinite;
-  const float* given_coef;  // the caller's coefficient (clip_global with coef_given)
-  const float* skip_flag;   // the caller's skip flag, or null
-  double* coef64;           // out: coefficient for the apply
-  float* skip;              // out: 1 if the update is skipped
+  const float* given_coef;     // the caller's coefficient (clip_global with coef_given)
+  const float* skip_flag;      // the caller's skip flag, or null
+  double* coef64;              // out: coefficient for the apply
+  float* skip;                 // out: 1 if the update is skipped
   ga_cuda_apply_stats* stats;  // out: may be null
   GA_HD void operator()(double total) const {
     const double norm = std::sqrt(total) * std::fabs(scale);
     bool skipped = skip_nonfinite && !std::isfinite(norm);
     double coef = 1.0;
-    if (clip_global) coef = coef_given ? static_cast<double>(*given_coef)
-                                       : std::min(1.0, max_norm / (norm + 1e-6));
+    if (clip_global)
+      coef =
+          coef_given ? static_cast<double>(*given_coef) : std::min(1.0, max_norm / (norm + 1e-6));
     *coef64 = coef;
     *skip = skipped ? 1.0f : 0.0f;
     if (stats != nullptr) {
@@ -299,8 +300,9 @@ struct BnMergeOp {
     const double ma = stat_get(mean_a, d_mean_a, c), mb = stat_get(mean_b, d_mean_b, c);
     const double delta = mb - ma;
     stat_put(mean_a, d_mean_a, c, ma + delta * (nb / nt));
-    stat_put(m2_a, d_m2_a, c,
-             stat_get(m2_a, d_m2_a, c) + stat_get(m2_b, d_m2_b, c) + delta * delta * (na * nb / nt));
+    stat_put(
+        m2_a, d_m2_a, c,
+        stat_get(m2_a, d_m2_a, c) + stat_get(m2_b, d_m2_b, c) + delta * delta * (na * nb / nt));
   }
 };
 
@@ -314,8 +316,9 @@ struct BnRunningOp {
   double div, new_weight;
   GA_HD void operator()(int64_t c) const {
     const double var = stat_get(m2, d_m2, c) / div;
-    stat_put(rmean, d_rmean, c,
-             (1 - new_weight) * stat_get(rmean, d_rmean, c) + new_weight * stat_get(mean, d_mean, c));
+    stat_put(
+        rmean, d_rmean, c,
+        (1 - new_weight) * stat_get(rmean, d_rmean, c) + new_weight * stat_get(mean, d_mean, c));
     stat_put(rvar, d_rvar, c, (1 - new_weight) * stat_get(rvar, d_rvar, c) + new_weight * var);
   }
 };
@@ -393,10 +396,17 @@ inline std::vector<int64_t> chunk_bases(const ga_tensor_list& l, int64_t* total)
 template <typename F>
 void visit_float(ga_dtype d, F&& f) {
   switch (d) {
-    case kGaFloat32: f(float{}); break;
-    case kGaBFloat16: f(bf16{}); break;
-    case kGaFloat16: f(f16{}); break;
-    default: break;  // validated earlier
+    case kGaFloat32:
+      f(float{});
+      break;
+    case kGaBFloat16:
+      f(bf16{});
+      break;
+    case kGaFloat16:
+      f(f16{});
+      break;
+    default:
+      break;  // validated earlier
   }
 }
 
@@ -565,19 +575,27 @@ void launch_apply(B& b, const Meta<5>& m, int64_t n, const Base& base, bool mome
                   bool agc) {
   auto go = [&](auto mom, auto rst, auto ag) {
     ApplyOp<O, decltype(mom)::value, decltype(rst)::value, decltype(ag)::value, P, S, OutT> op{
-        base.k, base.coef64, base.coef32, base.skip0, base.skip1, base.unit_scale,
-        base.in_place};
+        base.k, base.coef64, base.coef32, base.skip0, base.skip1, base.unit_scale, base.in_place};
     b.template chunks<false>(m, op, n, nullptr, nullptr);
   };
   using T = std::true_type;
   using F = std::false_type;
   auto with_agc = [&](auto mom, auto rst) {
-    if (agc) go(mom, rst, T{}); else go(mom, rst, F{});
+    if (agc)
+      go(mom, rst, T{});
+    else
+      go(mom, rst, F{});
   };
   auto with_reset = [&](auto mom) {
-    if (reset) with_agc(mom, T{}); else with_agc(mom, F{});
+    if (reset)
+      with_agc(mom, T{});
+    else
+      with_agc(mom, F{});
   };
-  if (O == Opt::kSGD && momentum) with_reset(T{}); else with_reset(F{});
+  if (O == Opt::kSGD && momentum)
+    with_reset(T{});
+  else
+    with_reset(F{});
 }
 
 struct ApplyBase {
@@ -596,8 +614,9 @@ struct ApplyBase {
 enum OptimizerSet : unsigned {
   kSetNone = 1u << kGaOptimizerNone,
   kSetSGD = 1u << kGaOptimizerSGD,
-  kSetAdam = (1u << kGaOptimizerAdam) | (1u << kGaOptimizerAdamW),
-  kSetAll = kSetNone | kSetSGD | kSetAdam,
+  kSetAdam = 1u << kGaOptimizerAdam,
+  kSetAdamW = 1u << kGaOptimizerAdamW,
+  kSetAll = kSetNone | kSetSGD | kSetAdam | kSetAdamW,
 };
 
 template <typename B, unsigned Set = kSetAll>
@@ -618,7 +637,8 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     const int64_t n = t.accumulators.size;
 
     // ---- workspace: [coef64 | skip | pad][partials][unit sums w | unit sums g][unit scales] ----
-    const bool norm_pass = (o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite;
+    const bool norm_pass =
+        (o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite;
     int64_t total_chunks = 0;
     std::vector<int64_t> cbase = chunk_bases(t.accumulators, &total_chunks);
     std::vector<int64_t> ubase(static_cast<size_t>(n));
@@ -648,8 +668,16 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
         b.template chunks<true>(m, SumsqOp<float>{}, nc, partials, nullptr);
       }
       if (total_chunks == 0) b.zero_bytes(partials, 8);
-      NormPost post{o.grad_scale, o.max_norm, o.clip == kGaClipGlobalNorm, o.clip_coef != nullptr,
-                    o.skip_nonfinite, o.clip_coef, skip_flag, coef64, skip, stats};
+      NormPost post{o.grad_scale,
+                    o.max_norm,
+                    o.clip == kGaClipGlobalNorm,
+                    o.clip_coef != nullptr,
+                    o.skip_nonfinite,
+                    o.clip_coef,
+                    skip_flag,
+                    coef64,
+                    skip,
+                    stats};
       b.sum_partials(partials, std::max<int64_t>(total_chunks, 1), post);
     } else if (stats != nullptr) {
       b.for_each(1, StatsOp{o.clip_coef, skip_flag, stats});
@@ -658,8 +686,8 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
       const ga_tensor_list* lists[2] = {&t.params, &t.accumulators};
       b.zero_bytes(sum_w, 2 * unit_bytes);  // units of empty tensors stay 0
       enqueue_unit_sums<B, 2>(b, lists, o.units, ubase, sum_w, sum_g);
-      b.for_each(total_units, AgcScaleOp{sum_w, sum_g, unit_scale, o.grad_scale, o.clip_factor,
-                                         o.agc_eps});
+      b.for_each(total_units,
+                 AgcScaleOp{sum_w, sum_g, unit_scale, o.grad_scale, o.clip_factor, o.agc_eps});
     }
 
     ApplyBase base{apply_scalars(o),
@@ -716,7 +744,7 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
                 launch_apply<Opt::kAdam, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
               break;
             case kGaOptimizerAdamW:
-              if constexpr ((Set & kSetAdam) != 0)
+              if constexpr ((Set & kSetAdamW) != 0)
                 launch_apply<Opt::kAdamW, B, P, S, float>(b, m, nc, base, false, o.reset, agc);
               break;
           }
@@ -754,13 +782,15 @@ ga_status copy_flat(B& b, ga_tensor_list list, ga_tensor flat, double scale, boo
     }
     const ga_tensor_list vl{views.data(), list.size};
     const ga_tensor_list* lists[2] = {to_flat ? &list : &vl, to_flat ? &vl : &list};
-    for (const auto& idx : group(list.size, list, [&](int64_t i) { return list.tensors[i].dtype; })) {
+    for (const auto& idx :
+         group(list.size, list, [&](int64_t i) { return list.tensors[i].dtype; })) {
       int64_t nc = 0;
       Meta<2> m = chunk_meta<2>(idx, lists, {}, &nc);
       visit_float(lists[0]->tensors[idx[0]].dtype, [&](auto sv) {
         visit_float(lists[1]->tensors[idx[0]].dtype, [&](auto dv) {
-          b.template chunks<false>(m, CopyScaledOp<decltype(sv), decltype(dv)>{static_cast<float>(scale)},
-                                   nc, nullptr, nullptr);
+          b.template chunks<false>(
+              m, CopyScaledOp<decltype(sv), decltype(dv)>{static_cast<float>(scale)}, nc, nullptr,
+              nullptr);
         });
       });
     }
@@ -775,8 +805,9 @@ ga_status zero(B& b, ga_tensor_list tensors) {
     int32_t device = -1;
     detail::check_all_cuda({{&tensors, "tensors"}}, &device);
     const ga_tensor_list* lists[1] = {&tensors};
-    for (const auto& idx : group(tensors.size, tensors,
-                                 [&](int64_t i) { return ga_dtype_size(tensors.tensors[i].dtype); })) {
+    for (const auto& idx : group(tensors.size, tensors, [&](int64_t i) {
+           return ga_dtype_size(tensors.tensors[i].dtype);
+         })) {
       int64_t nc = 0;
       Meta<1> m = chunk_meta<1>(idx, lists, {}, &nc);
       if (ga_dtype_size(tensors.tensors[idx[0]].dtype) == 4)
@@ -795,8 +826,8 @@ ga_status bn_merge(B& b, double* count_a, ga_tensor mean_a, ga_tensor m2_a, doub
     if (count_b == 0) return;
     auto d = [](const ga_tensor& x) { return x.dtype == kGaFloat64 ? 1 : 0; };
     if (mean_a.numel > 0)
-      b.for_each(mean_a.numel, BnMergeOp{mean_a.data, m2_a.data, mean_b.data, m2_b.data,
-                                         d(mean_a), d(m2_a), d(mean_b), d(m2_b), *count_a, count_b});
+      b.for_each(mean_a.numel, BnMergeOp{mean_a.data, m2_a.data, mean_b.data, m2_b.data, d(mean_a),
+                                         d(m2_a), d(mean_b), d(m2_b), *count_a, count_b});
     *count_a += count_b;
   });
 }
@@ -809,10 +840,9 @@ ga_status bn_update_running(B& b, ga_tensor running_mean, ga_tensor running_var,
                                kGaCUDA);
     auto d = [](const ga_tensor& x) { return x.dtype == kGaFloat64 ? 1 : 0; };
     if (running_mean.numel > 0)
-      b.for_each(running_mean.numel,
-                 BnRunningOp{running_mean.data, running_var.data, mean.data, m2.data,
-                             d(running_mean), d(running_var), d(mean), d(m2),
-                             unbiased ? count - 1 : count, new_weight});
+      b.for_each(running_mean.numel, BnRunningOp{running_mean.data, running_var.data, mean.data,
+                                                 m2.data, d(running_mean), d(running_var), d(mean),
+                                                 d(m2), unbiased ? count - 1 : count, new_weight});
   });
 }
 

@@ -1,7 +1,7 @@
 // DLPack import (framework tensors → descriptors) and export (arena views → capsules).
-#include <cstring>
 #include "dlpack.h"
 
+#include <cstring>
 #include <stdexcept>
 
 namespace ga {
@@ -28,9 +28,13 @@ TensorRef from_dltensor(const DLTensor& t, const std::string& name, bool read_on
   ref.desc.dtype = to_ga_dtype(t.dtype, name);
   switch (t.device.device_type) {
     case 1:
-    case 3: ref.desc.device_type = kGaCPU; break;
+    case 3:
+      ref.desc.device_type = kGaCPU;
+      break;
     case 2:
-    case 13: ref.desc.device_type = kGaCUDA; break;
+    case 13:
+      ref.desc.device_type = kGaCUDA;
+      break;
     default:
       throw py::type_error(name + " lives on an unsupported device (DLPack device type " +
                            std::to_string(t.device.device_type) + "); expected CPU or CUDA");
@@ -125,27 +129,31 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
   } else {
     py::object src = py::reinterpret_borrow<py::object>(obj);
     if (!py::hasattr(src, "__dlpack__"))
-      throw py::type_error(name + " of type " + std::string(py::str(py::type::of(obj).attr("__name__"))) +
-                           " does not support DLPack; pass a numpy, torch, jax or tensorflow tensor");
+      throw py::type_error(
+          name + " of type " + std::string(py::str(py::type::of(obj).attr("__name__"))) +
+          " does not support DLPack; pass a numpy, torch, jax or tensorflow tensor");
     const TorchFns* torch = torch_fns(src);
     if (torch != nullptr) {
       // DLPack has no negative bit: torch exports a _neg_view() (or x.conj().imag) with the
       // un-negated memory. Read one through a resolved copy; never write one.
       if (call_flag(torch->is_neg, src.ptr())) {
         if (writable)
-          throw py::value_error(name + " is a negative-bit view (e.g. x._neg_view() or "
+          throw py::value_error(name +
+                                " is a negative-bit view (e.g. x._neg_view() or "
                                 "x.conj().imag) and is written to; pass x.resolve_neg()");
         src = src.attr("resolve_neg")();
       }
       // torch forbids in-place updates of inference tensors outside inference mode.
       if (writable && call_flag(torch->is_inference, src.ptr()) &&
           !call_flag(torch->inference_mode_enabled, nullptr))
-        throw py::value_error(name + " is an inference-mode tensor, which torch allows no "
+        throw py::value_error(name +
+                              " is an inference-mode tensor, which torch allows no "
                               "in-place update of outside torch.inference_mode(); it is written "
                               "to here (clone it first)");
     } else if (writable) {
       if (const char* kind = immutable_framework(src))
-        throw py::value_error(name + " is " + kind + ", which is immutable, but is written to "
+        throw py::value_error(name + " is " + kind +
+                              ", which is immutable, but is written to "
                               "here; pass a mutable buffer (e.g. a NumPy array or torch tensor)");
     }
     // torch refuses to export tensors that require grad; their storage is what we want.
@@ -169,8 +177,10 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
         }
       } catch (py::error_already_set& e) {
         if (e.matches(PyExc_BufferError))
-          throw py::value_error(name + " cannot be exported through DLPack (read-only or not a plain "
-                                "array): " + std::string(e.what()));
+          throw py::value_error(name +
+                                " cannot be exported through DLPack (read-only or not a plain "
+                                "array): " +
+                                std::string(e.what()));
         throw;
       }
     }
@@ -181,7 +191,8 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
     return from_dltensor(m->dl_tensor, name, false, writable, cap_obj);
   }
   if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-    auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    auto* m =
+        static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
     return from_dltensor(m->dl_tensor, name, (m->flags & 1u) != 0, writable, cap_obj);
   }
   throw py::value_error(name + " is a DLPack capsule that was already consumed");
@@ -239,8 +250,8 @@ void capsule_destructor(PyObject* cap) {
 void capsule_destructor_versioned(PyObject* cap) {
   // Same for DLPack 1.x: a consumer renames it to "used_dltensor_versioned".
   if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-    auto* m = static_cast<DLManagedTensorVersioned*>(
-        PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    auto* m =
+        static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
     if (m && m->deleter) m->deleter(m);
   } else {
     PyErr_Clear();

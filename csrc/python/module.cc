@@ -40,10 +40,14 @@ void call_core(F&& f) {
   if (!argument.empty() && message.find(argument) == std::string::npos)
     message = argument + ": " + message;
   switch (status) {
-    case kGaOk: return;
-    case kGaInvalidArgument: throw py::value_error(message);
-    case kGaTypeError: throw py::type_error(message);
-    default: throw std::runtime_error(message);
+    case kGaOk:
+      return;
+    case kGaInvalidArgument:
+      throw py::value_error(message);
+    case kGaTypeError:
+      throw py::type_error(message);
+    default:
+      throw std::runtime_error(message);
   }
 }
 
@@ -63,8 +67,9 @@ T* scalar_out(const py::object& obj, const char* name, ga_dtype dtype, int64_t n
   if (obj.is_none()) return nullptr;
   keep = import_tensor(obj, name, true);
   if (keep.desc.dtype != dtype || keep.desc.numel != numel)
-    throw py::type_error(std::string(name) + " must be a " + (dtype == kGaFloat64 ? "float64" : "float32") +
-                         " tensor of " + std::to_string(numel) + " element(s)");
+    throw py::type_error(std::string(name) + " must be a " +
+                         (dtype == kGaFloat64 ? "float64" : "float32") + " tensor of " +
+                         std::to_string(numel) + " element(s)");
   if (keep.desc.device_type != device || (device == kGaCUDA && keep.desc.device_id != device_id))
     throw py::type_error(std::string(name) + " must be on the same device as the tensors");
   return static_cast<T*>(keep.desc.data);
@@ -100,8 +105,10 @@ std::vector<ga_units> parse_units(const py::object& units, size_t n) {
     else if (seq[i].second == "trailing")
       u.layout = kGaUnitsTrailing;
     else
-      throw py::value_error("units[" + std::to_string(i) + "] layout must be 'leading' or "
-                            "'trailing', got '" + seq[i].second + "'");
+      throw py::value_error("units[" + std::to_string(i) +
+                            "] layout must be 'leading' or "
+                            "'trailing', got '" +
+                            seq[i].second + "'");
     out.push_back(u);
   }
   return out;
@@ -119,13 +126,13 @@ py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
   TensorRef flag_ref, sumsq_ref;
   float* flag = scalar_out<float>(nonfinite_out, "nonfinite_out", kGaFloat32, 1, dev,
                                   device_id(acc), flag_ref);
-  double* sumsq = scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, device_id(acc),
-                                     sumsq_ref);
+  double* sumsq =
+      scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, device_id(acc), sumsq_ref);
   if (dev == kGaCUDA) {
     // Results stay on the device: the flag and the sum of squares go to the given tensors.
     call_core([&] {
-      return ga_cuda_accumulate(as_list(ad), as_list(gd), &o, flag,
-                                compute_sumsq ? sumsq : nullptr, as_stream(stream));
+      return ga_cuda_accumulate(as_list(ad), as_list(gd), &o, flag, compute_sumsq ? sumsq : nullptr,
+                                as_stream(stream));
     });
     return py::make_tuple(py::none(), py::none());
   }
@@ -169,15 +176,16 @@ void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
       tb < nb + n.desc.numel * ga_dtype_size(n.desc.dtype) &&
       nb < tb + t.desc.numel * ga_dtype_size(t.desc.dtype))
     throw py::value_error("out overlaps tensor in memory (the buffers must not alias)");
-  auto u = parse_units(py::cast(std::vector<std::pair<int64_t, std::string>>{{num_units, layout}}), 1);
+  auto u =
+      parse_units(py::cast(std::vector<std::pair<int64_t, std::string>>{{num_units, layout}}), 1);
   if (t.desc.device_type == kGaCUDA)
     call_core([&] { return ga_cuda_unitwise_norm(t.desc, u[0], n.desc, as_stream(stream)); });
   else
     call_core([&] { return ga_unitwise_norm(t.desc, u[0], n.desc); });
 }
 
-void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
-                   double clip_factor, double eps, uintptr_t stream) {
+void adaptive_clip(py::handle params, py::handle grads, const py::object& units, double clip_factor,
+                   double eps, uintptr_t stream) {
   auto p = import_list(params, "params", false);
   auto g = import_list(grads, "grads", true);
   auto pd = descriptors(p), gd = descriptors(g);
@@ -192,17 +200,17 @@ void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
                                    as_stream(stream));
     });
   else
-    call_core([&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
+    call_core(
+        [&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
 }
 
 py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
                py::handle grads_out, const std::string& optimizer, double grad_scale,
-               const std::string& clip, double max_norm, py::object clip_coef,
-               double clip_factor, double agc_eps, py::object units, bool skip_nonfinite,
-               bool reset, double lr, double weight_decay, bool maximize, double momentum,
-               double dampening, bool nesterov, bool momentum_initialized, double beta1,
-               double beta2, double eps, int64_t step, uintptr_t stream,
-               const py::object& stats_out) {
+               const std::string& clip, double max_norm, py::object clip_coef, double clip_factor,
+               double agc_eps, py::object units, bool skip_nonfinite, bool reset, double lr,
+               double weight_decay, bool maximize, double momentum, double dampening, bool nesterov,
+               bool momentum_initialized, double beta1, double beta2, double eps, int64_t step,
+               uintptr_t stream, const py::object& stats_out) {
   ga_apply_options o{};
   o.optimizer = parse_optimizer(optimizer);
   o.grad_scale = grad_scale;
@@ -393,13 +401,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("has_cuda", [] { return ga_has_cuda() != 0; });
   m.def("cuda_device_count", &ga_cuda_device_count);
   m.def("accumulate", &accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("weight"),
-        py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
-        py::arg("compute_sumsq"), py::arg("stream") = 0, py::arg("nonfinite_out") = py::none(),
+        py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"), py::arg("compute_sumsq"),
+        py::arg("stream") = 0, py::arg("nonfinite_out") = py::none(),
         py::arg("sumsq_out") = py::none());
   m.def("sum_of_squares", &sum_of_squares, py::arg("tensors"), py::arg("stream") = 0,
         py::arg("out") = py::none());
-  m.def("unitwise_norm", &unitwise_norm, py::arg("tensor"), py::arg("norms"),
-        py::arg("num_units"), py::arg("layout"), py::arg("stream") = 0);
+  m.def("unitwise_norm", &unitwise_norm, py::arg("tensor"), py::arg("norms"), py::arg("num_units"),
+        py::arg("layout"), py::arg("stream") = 0);
   m.def("adaptive_clip", &adaptive_clip, py::arg("params"), py::arg("grads"), py::arg("units"),
         py::arg("clip_factor"), py::arg("eps"), py::arg("stream") = 0);
   m.def("apply", &apply, py::arg("params"), py::arg("accumulators"), py::arg("state1"),
@@ -408,25 +416,24 @@ PYBIND11_MODULE(_C, m) {
         py::arg("agc_eps"), py::arg("units"), py::arg("skip_nonfinite"), py::arg("reset"),
         py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"), py::arg("momentum"),
         py::arg("dampening"), py::arg("nesterov"), py::arg("momentum_initialized"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"),
-        py::arg("stream") = 0, py::arg("stats_out") = py::none());
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"), py::arg("stream") = 0,
+        py::arg("stats_out") = py::none());
   m.def("bn_moments", &bn_moments, py::arg("x"), py::arg("outer"), py::arg("channels"),
         py::arg("inner"), py::arg("mean"), py::arg("m2"));
   m.def("bn_merge", &bn_merge, py::arg("count_a"), py::arg("mean_a"), py::arg("m2_a"),
         py::arg("count_b"), py::arg("mean_b"), py::arg("m2_b"), py::arg("stream") = 0);
-  m.def("bn_update_running", &bn_update_running, py::arg("running_mean"),
-        py::arg("running_var"), py::arg("mean"), py::arg("m2"), py::arg("count"),
-        py::arg("new_weight"), py::arg("unbiased"), py::arg("stream") = 0);
+  m.def("bn_update_running", &bn_update_running, py::arg("running_mean"), py::arg("running_var"),
+        py::arg("mean"), py::arg("m2"), py::arg("count"), py::arg("new_weight"),
+        py::arg("unbiased"), py::arg("stream") = 0);
   m.def("pack", &pack, py::arg("src"), py::arg("flat"), py::arg("scale"), py::arg("stream") = 0);
   m.def("unpack", &unpack, py::arg("flat"), py::arg("dst"), py::arg("scale"),
         py::arg("stream") = 0);
   m.def("zero", &zero, py::arg("tensors"), py::arg("stream") = 0);
-  m.def("arena_plan", &arena_plan, py::arg("numels"), py::arg("alignment"),
-        py::arg("bucket_numel"), py::arg("reverse"));
+  m.def("arena_plan", &arena_plan, py::arg("numels"), py::arg("alignment"), py::arg("bucket_numel"),
+        py::arg("reverse"));
   py::class_<Arena>(m, "Arena")
       .def(py::init<int64_t>(), py::arg("numel"))
       .def_property_readonly("numel", &Arena::numel)
       .def_property_readonly("data_ptr", &Arena::data_ptr)
-      .def("view", &Arena::view, py::arg("offset"), py::arg("shape"),
-           py::arg("versioned") = false);
+      .def("view", &Arena::view, py::arg("offset"), py::arg("shape"), py::arg("versioned") = false);
 }

@@ -222,8 +222,7 @@ TEST(ArenaAlloc, BadInput) {
   EXPECT_TRUE(FailsWith(ga_arena_alloc(-1, kGaCPU, 0, &data), kGaInvalidArgument, {"numel"}));
   EXPECT_EQ(data, sentinel);
   EXPECT_TRUE(FailsWith(ga_arena_alloc(8, kGaCPU, 0, nullptr), kGaInvalidArgument, {"data"}));
-  EXPECT_TRUE(FailsWith(ga_test_arena_alloc_raw(8, 7, &data), kGaTypeError,
-                        {"device"}));
+  EXPECT_TRUE(FailsWith(ga_test_arena_alloc_raw(8, 7, &data), kGaTypeError, {"device"}));
   EXPECT_EQ(data, sentinel);
   if (!ga_has_cuda()) {
     EXPECT_TRUE(FailsWith(ga_arena_alloc(8, kGaCUDA, 0, &data), kGaUnsupported, {"device"}));

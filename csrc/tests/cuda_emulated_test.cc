@@ -4,7 +4,8 @@
 // against fp64 references in the other suites) and with fp64 references directly.
 //
 // What this cannot see: the __global__ wrappers, shared memory and warp shuffles, and the CUDA
-// runtime calls of launch.cuh and backend.cu. The GPU tests (tests/test_cuda.py) cover those on a GPU.
+// runtime calls of launch.cuh and backend.cu. The GPU tests (tests/test_cuda.py) cover those on a
+// GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -171,7 +172,8 @@ TEST_P(CudaEmulatedOffset, AccumulateMatchesCpuAndFp64) {
   ga_accumulate_options next{kGaAccumulateSum, 1.5, 0.0, 0};
   ASSERT_EQ(ga_accumulate(acc_cpu.list(), g1.list(), &first, 0, nullptr), kGaOk);
   ASSERT_EQ(gc::accumulate(b, acc_dev.list(), g1_dev.list(), &first,
-                           static_cast<float*>(flag.data()), nullptr), kGaOk);
+                           static_cast<float*>(flag.data()), nullptr),
+            kGaOk);
   ga_accumulate_result r{};
   ASSERT_EQ(ga_accumulate(acc_cpu.list(), g2.list(), &next, 1, &r), kGaOk);
   ASSERT_EQ(gc::accumulate(b, acc_dev.list(), g2_dev.list(), &next,
@@ -291,16 +293,15 @@ TEST_P(CudaEmulatedUnits, UnitwiseNormMatchesCpu) {
   EXPECT_TRUE(Near(n_dev.Values(), n_cpu.Values(), 1e-13, kGaFloat64));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, CudaEmulatedUnits,
-    ::testing::Values(UnitCase{64, 72, kGaUnitsLeading, kGaFloat32, 0},
-                      UnitCase{64, 72, kGaUnitsLeading, kGaFloat32, 1},
-                      UnitCase{33, 7, kGaUnitsLeading, kGaBFloat16, 0},
-                      UnitCase{5, 3000, kGaUnitsLeading, kGaFloat16, 0},
-                      UnitCase{1, 20000, kGaUnitsLeading, kGaFloat32, 0},
-                      UnitCase{70, 9, kGaUnitsTrailing, kGaFloat32, 0},
-                      UnitCase{33, 16, kGaUnitsTrailing, kGaBFloat16, 1},
-                      UnitCase{1, 100, kGaUnitsTrailing, kGaFloat32, 0}));
+INSTANTIATE_TEST_SUITE_P(Layouts, CudaEmulatedUnits,
+                         ::testing::Values(UnitCase{64, 72, kGaUnitsLeading, kGaFloat32, 0},
+                                           UnitCase{64, 72, kGaUnitsLeading, kGaFloat32, 1},
+                                           UnitCase{33, 7, kGaUnitsLeading, kGaBFloat16, 0},
+                                           UnitCase{5, 3000, kGaUnitsLeading, kGaFloat16, 0},
+                                           UnitCase{1, 20000, kGaUnitsLeading, kGaFloat32, 0},
+                                           UnitCase{70, 9, kGaUnitsTrailing, kGaFloat32, 0},
+                                           UnitCase{33, 16, kGaUnitsTrailing, kGaBFloat16, 1},
+                                           UnitCase{1, 100, kGaUnitsTrailing, kGaFloat32, 0}));
 
 // ---- apply: every optimizer, dtype, clip mode and skip rule against the CPU core ----
 
@@ -329,9 +330,9 @@ TEST_P(CudaEmulatedApply, MatchesCpu) {
     s2.FillUniform(rng, 0, 0.01);
     TensorList pd = DeviceCopy(p, off), ad = DeviceCopy(a, off), s1d = DeviceCopy(s1, off),
                s2d = DeviceCopy(s2, off);
-    std::vector<ga_units> units = {{64, kGaUnitsLeading}, {1, kGaUnitsLeading},
+    std::vector<ga_units> units = {{64, kGaUnitsLeading},  {1, kGaUnitsLeading},
                                    {29, kGaUnitsTrailing}, {1, kGaUnitsLeading},
-                                   {3, kGaUnitsLeading}, {40000, kGaUnitsTrailing}};
+                                   {3, kGaUnitsLeading},   {40000, kGaUnitsTrailing}};
     // Make the trailing tensor of 16385 divisible: 16385 = 5 · 29 · 113.
     units[2].num_units = 29;
     ga_apply_options o{};
@@ -360,7 +361,8 @@ TEST_P(CudaEmulatedApply, MatchesCpu) {
     ga_apply_tensors tc{p.list(), a.list(), uses_s1 ? s1.list() : none, uses_s2 ? s2.list() : none,
                         c.opt == kGaOptimizerNone ? out.list() : none};
     ga_apply_tensors td{pd.list(), ad.list(), uses_s1 ? s1d.list() : none,
-                        uses_s2 ? s2d.list() : none, c.opt == kGaOptimizerNone ? outd.list() : none};
+                        uses_s2 ? s2d.list() : none,
+                        c.opt == kGaOptimizerNone ? outd.list() : none};
     ga_apply_result r{};
     ASSERT_EQ(ga_apply(&tc, &o, &r), kGaOk) << ga_last_error();
     HostBackend b;
@@ -389,10 +391,12 @@ INSTANTIATE_TEST_SUITE_P(
     Optimizers, CudaEmulatedApply,
     ::testing::Values(
         ApplyCase{"SgdMomentum", kGaOptimizerSGD, kGaFloat32, kGaFloat32, kGaClipNone, true},
-        ApplyCase{"SgdFirstStep", kGaOptimizerSGD, kGaFloat32, kGaFloat32, kGaClipGlobalNorm, false},
+        ApplyCase{"SgdFirstStep", kGaOptimizerSGD, kGaFloat32, kGaFloat32, kGaClipGlobalNorm,
+                  false},
         ApplyCase{"SgdBf16", kGaOptimizerSGD, kGaBFloat16, kGaBFloat16, kGaClipAgc, true},
         ApplyCase{"Adam", kGaOptimizerAdam, kGaFloat32, kGaFloat32, kGaClipGlobalNorm, true},
-        ApplyCase{"AdamWBf16Fp32State", kGaOptimizerAdamW, kGaBFloat16, kGaFloat32, kGaClipNone, true},
+        ApplyCase{"AdamWBf16Fp32State", kGaOptimizerAdamW, kGaBFloat16, kGaFloat32, kGaClipNone,
+                  true},
         ApplyCase{"AdamWFp16Agc", kGaOptimizerAdamW, kGaFloat16, kGaFloat16, kGaClipAgc, true},
         ApplyCase{"AdamWFp32Agc", kGaOptimizerAdamW, kGaFloat32, kGaFloat32, kGaClipAgc, true},
         ApplyCase{"NoneAgc", kGaOptimizerNone, kGaFloat32, kGaFloat32, kGaClipAgc, true},
@@ -537,8 +541,8 @@ TEST(CudaEmulated, AdaptiveClipMatchesCpu) {
   p.FillUniform(rng, -1, 1);
   g.FillUniform(rng, -5, 5);
   TensorList pd = DeviceCopy(p, 1), gd = DeviceCopy(g, 1);
-  const std::vector<ga_units> u = {{128, kGaUnitsLeading}, {1, kGaUnitsLeading},
-                                   {7, kGaUnitsTrailing}};
+  const std::vector<ga_units> u = {
+      {128, kGaUnitsLeading}, {1, kGaUnitsLeading}, {7, kGaUnitsTrailing}};
   ASSERT_EQ(ga_adaptive_clip(p.list(), g.list(), u.data(), 0.01, 1e-3), kGaOk);
   HostBackend b;
   ASSERT_EQ(gc::adaptive_clip(b, pd.list(), gd.list(), u.data(), 0.01, 1e-3), kGaOk);
@@ -631,12 +635,12 @@ TEST(CudaEmulated, RejectsCpuTensorsOtherDevicesAndDtypesWithoutWriting) {
   ga_accumulate_options o{kGaAccumulateSum, 1.0, 0.0, 0};
   gd.desc(1).device_type = kGaCPU;
   const auto snap = Snapshot(ad, gd);
-  EXPECT_TRUE(FailsWith(gc::accumulate(b, ad.list(), gd.list(), &o, nullptr, nullptr),
-                        kGaTypeError, {"grads[1]"}));
+  EXPECT_TRUE(FailsWith(gc::accumulate(b, ad.list(), gd.list(), &o, nullptr, nullptr), kGaTypeError,
+                        {"grads[1]"}));
   gd.desc(1).device_type = kGaCUDA;
   gd.desc(1).device_id = 1;
-  EXPECT_TRUE(FailsWith(gc::accumulate(b, ad.list(), gd.list(), &o, nullptr, nullptr),
-                        kGaTypeError, {"grads[1]"}));
+  EXPECT_TRUE(FailsWith(gc::accumulate(b, ad.list(), gd.list(), &o, nullptr, nullptr), kGaTypeError,
+                        {"grads[1]"}));
   gd.desc(1).device_id = 0;
   TensorList a64 = DeviceCopy(TensorList(kGaFloat64, {10, 20}, 0), 0);
   EXPECT_TRUE(FailsWith(gc::accumulate(b, a64.list(), gd.list(), &o, nullptr, nullptr),

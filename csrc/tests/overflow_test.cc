@@ -22,8 +22,8 @@ TEST(Overflow, ArenaPlanTotalIsChecked) {
     const char* argument;
   };
   const std::vector<Case> cases{
-      {{kMax - 3, 16}, 0, "numels[0]"},     // rounding up to the alignment wraps
-      {{kMax - 3, 16}, 1, "numels[0]"},     // the same, laid out last-first
+      {{kMax - 3, 16}, 0, "numels[0]"},                        // rounding up to the alignment wraps
+      {{kMax - 3, 16}, 1, "numels[0]"},                        // the same, laid out last-first
       {{int64_t{1} << 62, int64_t{1} << 62}, 0, "numels[1]"},  // the running total wraps
       {{16, kMax - 40, 64}, 1, "numels[2]"},
   };
@@ -33,10 +33,10 @@ TEST(Overflow, ArenaPlanTotalIsChecked) {
     std::vector<int64_t> offsets(n, -7), bucket_of(n, -7), bucket_start(n + 1, -7);
     int64_t nb = -7, total = -7;
     const ga_arena_plan_options o{16, 32, c.reverse};
-    EXPECT_TRUE(FailsWith(ga_arena_plan(c.numels.data(), static_cast<int64_t>(n), &o,
-                                        offsets.data(), bucket_of.data(), bucket_start.data(),
-                                        &nb, &total),
-                          kGaInvalidArgument, {c.argument}));
+    EXPECT_TRUE(
+        FailsWith(ga_arena_plan(c.numels.data(), static_cast<int64_t>(n), &o, offsets.data(),
+                                bucket_of.data(), bucket_start.data(), &nb, &total),
+                  kGaInvalidArgument, {c.argument}));
     for (int64_t v : offsets) EXPECT_EQ(v, -7);
     for (int64_t v : bucket_of) EXPECT_EQ(v, -7);
     for (int64_t v : bucket_start) EXPECT_EQ(v, -7);
@@ -60,17 +60,17 @@ TEST(Overflow, ArenaAllocBytesAreChecked) {
 TEST(Overflow, DescriptorByteRangeIsChecked) {
   TensorList acc(kGaFloat32, {8}), grads(kGaFloat32, {8});
   ga_accumulate_options o{kGaAccumulateSum, -1.0, 0.0, 0};  // a bad weight: checked later
-  acc.desc(0).numel = (int64_t{1} << 62) + 1;  // 4·numel wraps to 4 bytes
+  acc.desc(0).numel = (int64_t{1} << 62) + 1;               // 4·numel wraps to 4 bytes
   grads.desc(0).numel = acc.desc(0).numel;
-  EXPECT_TRUE(FailsWith(ga_accumulate(acc.list(), grads.list(), &o, 0, nullptr),
-                        kGaInvalidArgument, {"accumulators[0]"}));
+  EXPECT_TRUE(FailsWith(ga_accumulate(acc.list(), grads.list(), &o, 0, nullptr), kGaInvalidArgument,
+                        {"accumulators[0]"}));
   EXPECT_NE(std::string(ga_last_error()).find("overflows"), std::string::npos);
   acc.Rebuild();
   grads.Rebuild();
   // The last 16 bytes of the address space hold 4 floats, not 8.
   acc.desc(0).data = reinterpret_cast<void*>(~uintptr_t{0} - 15);
-  EXPECT_TRUE(FailsWith(ga_accumulate(acc.list(), grads.list(), &o, 0, nullptr),
-                        kGaInvalidArgument, {"accumulators[0]"}));
+  EXPECT_TRUE(FailsWith(ga_accumulate(acc.list(), grads.list(), &o, 0, nullptr), kGaInvalidArgument,
+                        {"accumulators[0]"}));
 }
 
 TEST(Overflow, PackTotalIsChecked) {

@@ -109,8 +109,7 @@ def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
     plan = _plan(opt)
     if [id(v) for v in variables] != [id(v) for v in opt._trainable_variables]:
         index = {id(v): i for i, v in enumerate(variables)}
-        grads = [grads[index[id(v)]] if id(v) in index else None
-                 for v in opt._trainable_variables]
+        grads = [grads[index[id(v)]] if id(v) in index else None for v in opt._trainable_variables]
     tensors = []
     for g, acc in zip(grads, plan.accs):
         if g is None:
@@ -121,7 +120,11 @@ def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
     weight = 1.0 if opt.reduction == "SUM" else _scalar(opt._batch_weight)
     before = 0.0 if first else _scalar(opt._total_weight)
     result = core.accumulate(
-        plan.accs, tensors, weight=weight, mode=_MODES[opt.reduction], weight_before=before,
+        plan.accs,
+        tensors,
+        weight=weight,
+        mode=_MODES[opt.reduction],
+        weight_before=before,
         overwrite=first,
     )
     if opt.mixed_precision or opt._drops_nonfinite():
@@ -213,8 +216,14 @@ def _fused_update(opt: Any, plan: _Plan, scale: float) -> None:
             # formula) after it: the same update with eps / sqrt(1 - beta2^t).
             eps = float(inner.epsilon) / math.sqrt(1.0 - beta2**step)
             core.apply(
-                params, accs, optimizer="adamw", state1=_pick(plan.state1, group.index),
-                state2=_pick(plan.state2, group.index), betas=(beta1, beta2), eps=eps, step=step,
+                params,
+                accs,
+                optimizer="adamw",
+                state1=_pick(plan.state1, group.index),
+                state2=_pick(plan.state2, group.index),
+                betas=(beta1, beta2),
+                eps=eps,
+                step=step,
                 **common,
             )
     inner._iterations.assign_add(1)

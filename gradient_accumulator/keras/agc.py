@@ -127,6 +127,5 @@ def adaptive_clip_grad(
         )
     clip_factor, eps = check_agc_args(clip_factor, eps)
     return [
-        g if g is None else clip_one(p, g, clip_factor, eps)
-        for p, g in zip(parameters, gradients)
+        g if g is None else clip_one(p, g, clip_factor, eps) for p, g in zip(parameters, gradients)
     ]

@@ -85,5 +85,6 @@ def flush_batchnorm(model: Any) -> int:
     from gradient_accumulator.keras.layers import AccumBatchNormalization
 
     layers = model._flatten_layers(include_self=False) if model is not None else []
-    return sum(bool(layer.flush()) for layer in layers
-               if isinstance(layer, AccumBatchNormalization))
+    return sum(
+        bool(layer.flush()) for layer in layers if isinstance(layer, AccumBatchNormalization)
+    )

@@ -70,8 +70,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 raise ValueError(f"axis must be a single axis, got {axis!r}")
             axis = axis[0]
         super().__init__(
-            axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
-            trainable=trainable, **kwargs,
+            axis=axis,
+            momentum=momentum,
+            epsilon=epsilon,
+            center=center,
+            scale=scale,
+            trainable=trainable,
+            **kwargs,
         )
         self.accum_steps = accum_steps
 
@@ -84,7 +89,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
         def state(name: str, shape: tuple, dtype: str = "float32") -> Any:
             return self.add_weight(
-                shape=shape, name=name, initializer="zeros", dtype=dtype, trainable=False,
+                shape=shape,
+                name=name,
+                initializer="zeros",
+                dtype=dtype,
+                trainable=False,
                 autocast=False,
             )
 
@@ -136,7 +145,12 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         gamma = ops.cast(self.gamma, x.dtype) if self.scale else None
         beta = ops.cast(self.beta, x.dtype) if self.center else None
         outputs = ops.batch_normalization(
-            x=x, mean=mean, variance=variance, axis=self.axis, offset=beta, scale=gamma,
+            x=x,
+            mean=mean,
+            variance=variance,
+            axis=self.axis,
+            offset=beta,
+            scale=gamma,
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
@@ -179,12 +193,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         moving_mean = ops.cast(self.moving_mean.value, "float32")
         moving_var = ops.cast(self.moving_variance.value, "float32")
         self.moving_mean.assign(
-            ops.where(boundary, moving_mean * self.momentum + mean * (1.0 - self.momentum),
-                      moving_mean)
+            ops.where(
+                boundary, moving_mean * self.momentum + mean * (1.0 - self.momentum), moving_mean
+            )
         )
         self.moving_variance.assign(
-            ops.where(boundary, moving_var * self.momentum + var * (1.0 - self.momentum),
-                      moving_var)
+            ops.where(
+                boundary, moving_var * self.momentum + var * (1.0 - self.momentum), moving_var
+            )
         )
         self.accum_mean.assign(mean)
         self.accum_variance.assign(var)
@@ -206,8 +222,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         if not self.built or int(ops.convert_to_numpy(self.accum_step)) == 0:
             return False
         momentum = self.momentum
-        for moving, merged in ((self.moving_mean, self.accum_mean),
-                               (self.moving_variance, self.accum_variance)):
+        for moving, merged in (
+            (self.moving_mean, self.accum_mean),
+            (self.moving_variance, self.accum_variance),
+        ):
             value = ops.cast(moving.value, "float32") * momentum + merged.value * (1.0 - momentum)
             moving.assign(ops.cast(value, moving.dtype))
         self.accum_step.assign(0)

@@ -28,13 +28,21 @@ __all__ = ["GradientAccumulateOptimizer"]
 
 _BACKEND = keras.backend.backend()
 _FORBIDDEN_ON_WRAPPER = (
-    "weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
-    "gradient_accumulation_steps", "learning_rate",
+    "weight_decay",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+    "learning_rate",
 )
 # Base-optimizer arguments at their defaults, as older configs of the wrapper hold them.
 _BASE_DEFAULTS = {
-    "weight_decay": None, "use_ema": False, "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "weight_decay": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
 _IGNORED_FROM_0_5 = {
@@ -46,7 +54,13 @@ _IGNORED_FROM_0_5 = {
 # counter and learning-rate variable): the JAX path reads them back by position. ``skipped``
 # counts the cycles dropped as non-finite under ``on_nonfinite`` (not the loss scaler's skips).
 _SCALARS = (
-    "micro_step", "total_weight", "nonfinite", "batch_weight", "loss_scale", "growth", "skipped",
+    "micro_step",
+    "total_weight",
+    "nonfinite",
+    "batch_weight",
+    "loss_scale",
+    "growth",
+    "skipped",
 )
 _INT_SCALARS = ("micro_step", "growth", "skipped")
 _REDUCTIONS = ("MEAN", "SUM", "RUNNING_MEAN")
@@ -422,9 +436,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         for v in var_list:
             path = getattr(v, "path", v.name).replace("/", "_")
             if strategy is None:
-                acc = self.add_variable(
-                    shape=v.shape, dtype="float32", name=f"{path}_accumulator"
-                )
+                acc = self.add_variable(shape=v.shape, dtype="float32", name=f"{path}_accumulator")
             else:
                 # Replica-local: each replica sums its own gradients; read (and saved) as the
                 # mean over replicas, which restores to every replica and so keeps the sum.
@@ -465,10 +477,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             else:
                 ids.add(id(item))
         return [
-            not (
-                id(v) in ids
-                or any(p.search(getattr(v, "path", v.name)) for p in patterns)
-            )
+            not (id(v) in ids or any(p.search(getattr(v, "path", v.name)) for p in patterns))
             for v in var_list
         ]
 
@@ -578,8 +587,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self._drops_nonfinite() and not core_path and self._eager():
             self.report_nonfinite()
 
-    def _overwrite_maxima(self, grads: Sequence[Any], variables: Sequence[Any],
-                          micro_step: Any, accs: Sequence[Any] | None = None) -> list[tuple]:
+    def _overwrite_maxima(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[Any],
+        micro_step: Any,
+        accs: Sequence[Any] | None = None,
+    ) -> list[tuple]:
         """``(variable, accumulator, cycle maximum)`` of the ``overwrite_with_gradient`` ones.
 
         As in Keras's own accumulation, such a variable (a float8 scale or amax history) keeps
@@ -591,7 +605,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         for i, (g, v) in enumerate(zip(grads, variables)):
             if g is None or not getattr(v, "overwrite_with_gradient", False):
                 continue
-            acc = (self._accumulators[self._get_variable_index(v)] if accs is None else accs[i])
+            acc = self._accumulators[self._get_variable_index(v)] if accs is None else accs[i]
             previous = acc.value if accs is None else acc
             g = ops.cast(g, "float32")
             maximum = ops.where(first, g, ops.maximum(previous, g))
@@ -671,7 +685,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             ctx = tf.distribute.get_replica_context()
             local = nonfinite
             nonfinite = ops.cond(
-                boundary, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, local),
+                boundary,
+                lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, local),
                 lambda: local,
             )
         if merged:
@@ -715,8 +730,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if drops:
             dropped = ops.logical_and(boundary, skip)
             self._skipped.assign(ops.where(dropped, self._skipped + 1, self._skipped))
-        self._micro_step.assign(ops.where(boundary, ops.zeros_like(self._micro_step.value),
-                                          self._micro_step))
+        self._micro_step.assign(
+            ops.where(boundary, ops.zeros_like(self._micro_step.value), self._micro_step)
+        )
         self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
         self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
 
@@ -733,9 +749,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
             # Clipping needs the reduced gradient; the inner optimizer sums over replicas
             # again, so it gets 1/R of the (identical) clipped value.
-            accs = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, accs
-            )
+            accs = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, accs)
             replicas = strategy.num_replicas_in_sync
         grads = self._final_grads(
             accs,
@@ -833,14 +847,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
             def bad() -> tuple:
                 return (
-                    list(trainable_values), list(inner_values), own["loss_scale"] * 0.5,
-                    ops.zeros_like(own["growth"]), own["skipped"],
+                    list(trainable_values),
+                    list(inner_values),
+                    own["loss_scale"] * 0.5,
+                    ops.zeros_like(own["growth"]),
+                    own["skipped"],
                 )
 
             def dropped() -> tuple:
                 return (
-                    list(trainable_values), list(inner_values), own["loss_scale"],
-                    own["growth"], own["skipped"] + 1,
+                    list(trainable_values),
+                    list(inner_values),
+                    own["loss_scale"],
+                    own["growth"],
+                    own["skipped"] + 1,
                 )
 
             if self.mixed_precision:
@@ -853,8 +873,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 out = good()
             tv, inner, scale, growth, skipped = out
             return (
-                tv, inner, scale, growth, ops.zeros_like(own["micro_step"]),
-                ops.zeros_like(own["total_weight"]), ops.zeros_like(own["nonfinite"]), skipped,
+                tv,
+                inner,
+                scale,
+                growth,
+                ops.zeros_like(own["micro_step"]),
+                ops.zeros_like(own["total_weight"]),
+                ops.zeros_like(own["nonfinite"]),
+                skipped,
             )
 
         def keep() -> tuple:
@@ -868,8 +894,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def _jax_stateful(self, grads: list[Any], variables: list[Any]) -> None:
         if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
             index = {id(v): i for i, v in enumerate(variables)}
-            grads = [grads[index[id(v)]] if id(v) in index else None
-                     for v in self._trainable_variables]
+            grads = [
+                grads[index[id(v)]] if id(v) in index else None for v in self._trainable_variables
+            ]
         tv, ov = self.stateless_apply(
             [v.value for v in self.variables], grads, [v.value for v in self._trainable_variables]
         )
@@ -900,7 +927,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if _BACKEND == "jax":
             optimizer_values = [v.value for v in self.variables]
             own = self._own(optimizer_values)
-            inner_values = optimizer_values[len(self._variables):]
+            inner_values = optimizer_values[len(self._variables) :]
             tv, own, inner = self._stateless_cycle_end(
                 ops.convert_to_tensor(True), own, inner_values, [v.value for v in variables]
             )
@@ -973,9 +1000,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             inner = copy.deepcopy(inner)
             if inner.get("config", {}).get("decay", None) == 0.0:
                 del inner["config"]["decay"]
-            config["optimizer"] = keras.optimizers.deserialize(
-                inner, custom_objects=custom_objects
-            )
+            config["optimizer"] = keras.optimizers.deserialize(inner, custom_objects=custom_objects)
         else:
             config["optimizer"] = keras.saving.deserialize_keras_object(
                 inner, custom_objects=custom_objects

@@ -63,9 +63,12 @@ def _prepared_class(base: type) -> type:
 
     step.__doc__ = GradientAccumulateOptimizer.step.__doc__
     cls = type(
-        "Accumulating" + base.__name__, (base,),
+        "Accumulating" + base.__name__,
+        (base,),
         {
-            "step": step, "zero_grad": zero_grad, "__getattr__": getattr_,
+            "step": step,
+            "zero_grad": zero_grad,
+            "__getattr__": getattr_,
             "step_was_skipped": property(step_was_skipped),
             "__doc__": "accelerate's optimizer wrapper around a GradientAccumulateOptimizer.",
         },

@@ -70,7 +70,10 @@ def adaptive_clip_grad(
         native = g.dtype == torch.float32 and g.is_contiguous()
         grads.append(g if native else g.float().contiguous())
     core.adaptive_clip(
-        [p.detach().contiguous() for p in params], grads, clip_factor=clip_factor, eps=eps,
+        [p.detach().contiguous() for p in params],
+        grads,
+        clip_factor=clip_factor,
+        eps=eps,
         layout="leading",
     )
     for p, g in zip(params, grads):

@@ -90,8 +90,14 @@ class _AccumBatchNormMixin:
         use_batch_stats = self.training or not self.track_running_stats
         if not use_batch_stats:
             return F.batch_norm(
-                input, self.running_mean, self.running_var, self.weight, self.bias,
-                False, 0.0, self.eps,
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
             )
         out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         if self.training and self.track_running_stats:
@@ -111,12 +117,14 @@ class _AccumBatchNormMixin:
         count = x.numel() // x.shape[1]
         if x.device.type == "cpu":
             mean, m2, count = core.bn_moments(
-                x.contiguous(), channels_axis=1,
+                x.contiguous(),
+                channels_axis=1,
                 mean=torch.empty(self.num_features, dtype=torch.float64),
                 m2=torch.empty(self.num_features, dtype=torch.float64),
             )
-            total = core.bn_merge(float(self.accum_count), self.accum_mean, self.accum_m2,
-                                  float(count), mean, m2)
+            total = core.bn_merge(
+                float(self.accum_count), self.accum_mean, self.accum_m2, float(count), mean, m2
+            )
         else:  # devices without core kernels: the same merge with torch ops
             dims = [d for d in range(x.dim()) if d != 1]
             xd = x.double()
@@ -157,8 +165,15 @@ class _AccumBatchNormMixin:
             direct = rm.device.type == "cpu" and rm.dtype in (torch.float32, torch.float64)
             rm32 = rm if direct else rm.double().cpu()
             rv32 = rv if direct else rv.double().cpu()
-            core.bn_update_running(rm32, rv32, self.accum_mean.cpu(), self.accum_m2.cpu(), count,
-                                   momentum=factor, unbiased=True)
+            core.bn_update_running(
+                rm32,
+                rv32,
+                self.accum_mean.cpu(),
+                self.accum_m2.cpu(),
+                count,
+                momentum=factor,
+                unbiased=True,
+            )
             if not direct:
                 rm.copy_(rm32)
                 rv.copy_(rv32)
@@ -170,8 +185,11 @@ class _AccumBatchNormMixin:
     def _multi_rank(self) -> bool:
         import torch.distributed as dist
 
-        return (dist.is_available() and dist.is_initialized()
-                and dist.get_world_size(self.process_group) > 1)
+        return (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.process_group) > 1
+        )
 
     def _merge_across_ranks(self) -> None:
         """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
@@ -189,8 +207,9 @@ class _AccumBatchNormMixin:
         mean, m2 = gathered[0][1 : 1 + c].clone().cpu(), gathered[0][1 + c :].clone().cpu()
         for other in gathered[1:]:  # rank order: every rank computes the same result
             other = other.cpu()
-            count = core.bn_merge(count, mean, m2, float(other[0]), other[1 : 1 + c].clone(),
-                                  other[1 + c :].clone())
+            count = core.bn_merge(
+                count, mean, m2, float(other[0]), other[1 : 1 + c].clone(), other[1 + c :].clone()
+            )
         self.accum_count.fill_(count)
         self.accum_mean.copy_(mean)
         self.accum_m2.copy_(m2)
@@ -301,8 +320,12 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
     target = _TARGETS.get(type(module))
     if target is not None:
         new = target(
-            module.num_features, eps=module.eps, momentum=module.momentum, affine=module.affine,
-            track_running_stats=module.track_running_stats, accum_steps=accum_steps,
+            module.num_features,
+            eps=module.eps,
+            momentum=module.momentum,
+            affine=module.affine,
+            track_running_stats=module.track_running_stats,
+            accum_steps=accum_steps,
         ).to(device=next(iter(module.state_dict().values()), torch.empty(0)).device)
         with torch.no_grad():
             if module.affine:

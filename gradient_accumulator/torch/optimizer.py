@@ -103,6 +103,8 @@ class _InterruptGate:
 
 _MAIN_THREAD = threading.main_thread().ident
 _held_interrupts = _InterruptGate()
+
+
 def _refuse_outer_accumulation() -> None:
     """Refuse to run under an ``accelerate`` gradient accumulation of more than one step.
 
@@ -138,8 +140,16 @@ def _is_lightning_proxy(cls: type) -> bool:
 
 # Attributes a proxy must read and write on the real wrapper, not on itself.
 _PROXIED_ATTRIBUTES = (
-    "update_applied", "last_grad_norm", "accum_steps", "reduction", "max_grad_norm",
-    "use_agc", "clip_factor", "eps", "grad_scaler", "leftover",
+    "update_applied",
+    "last_grad_norm",
+    "accum_steps",
+    "reduction",
+    "max_grad_norm",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "grad_scaler",
+    "leftover",
 )
 
 
@@ -192,8 +202,11 @@ def _install_lightning_forwarding(cls: type) -> None:
     """
     # Names the proxy's own classes define (before ours in the MRO) stay theirs.
     mro = cls.__mro__
-    proxy_bases = [b for b in mro[: mro.index(GradientAccumulateOptimizer)]
-                   if not issubclass(b, GradientAccumulateOptimizer)]
+    proxy_bases = [
+        b
+        for b in mro[: mro.index(GradientAccumulateOptimizer)]
+        if not issubclass(b, GradientAccumulateOptimizer)
+    ]
     own = {n for b in proxy_bases for n in vars(b)}
     names = {n for n in vars(GradientAccumulateOptimizer) if not n.startswith("_")}
     for name in sorted(names - own - {"step", "flush"}):
@@ -380,9 +393,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         # The inner optimizer's groups and state are the wrapper's: LR schedulers and state_dict()
         # act on it. (torch.optim.Optimizer.__init__ is not called: it would rebuild the groups.)
         for name in (
-            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
         ):
             setattr(self, name, OrderedDict())
         # param_groups, state and defaults are properties reading the inner optimizer's current
@@ -402,7 +418,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     "gradient-accumulator has no CUDA kernels (rebuild with GA_CUDA=ON)"
                 )
             if not p.is_floating_point() or p.dtype not in (
-                torch.float32, torch.bfloat16, torch.float16
+                torch.float32,
+                torch.bfloat16,
+                torch.float16,
             ):
                 raise TypeError(
                     f"parameter {self._names[i]} has dtype {p.dtype}; expected float32/bf16/fp16"
@@ -496,8 +514,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         names = []
         for g, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
-                names.append(repr(named[id(p)]) if id(p) in named
-                             else f"param_groups[{g}]['params'][{j}]")
+                names.append(
+                    repr(named[id(p)]) if id(p) in named else f"param_groups[{g}]['params'][{j}]"
+                )
         return names
 
     def _check_layout(self) -> None:
@@ -505,9 +524,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         spans = []
         for i, p in enumerate(self._params):
             if not p.is_contiguous():
-                fmt = ("channels-last" if p.dim() in (4, 5) and (
-                    p.is_contiguous(memory_format=torch.channels_last)
-                    or p.is_contiguous(memory_format=torch.channels_last_3d)) else "non-contiguous")
+                fmt = (
+                    "channels-last"
+                    if p.dim() in (4, 5)
+                    and (
+                        p.is_contiguous(memory_format=torch.channels_last)
+                        or p.is_contiguous(memory_format=torch.channels_last_3d)
+                    )
+                    else "non-contiguous"
+                )
                 raise ValueError(
                     f"parameter {self._names[i]} is {fmt}; the update writes parameters as flat "
                     "contiguous buffers (convert the model with "
@@ -543,8 +568,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             last = max((i for i, p in enumerate(self._params) if p.dim() >= 2), default=None)
             if last is None:
                 return set()
-            return {last} | {i for i in range(last + 1, len(self._params))
-                             if self._params[i].dim() <= 1}
+            return {last} | {
+                i for i in range(last + 1, len(self._params)) if self._params[i].dim() <= 1
+            }
         skip: set[int] = set()
         for item in exclude:
             tensors = list(item.parameters()) if isinstance(item, torch.nn.Module) else [item]
@@ -615,11 +641,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             return  # the inner optimizer's step() runs and fires its own hooks
         inner = self.optimizer
         if post:
-            hooks = [*inner._optimizer_step_post_hooks.values(),
-                     *topt._global_optimizer_post_hooks.values()]
+            hooks = [
+                *inner._optimizer_step_post_hooks.values(),
+                *topt._global_optimizer_post_hooks.values(),
+            ]
         else:
-            hooks = [*topt._global_optimizer_pre_hooks.values(),
-                     *inner._optimizer_step_pre_hooks.values()]
+            hooks = [
+                *topt._global_optimizer_pre_hooks.values(),
+                *inner._optimizer_step_pre_hooks.values(),
+            ]
         for hook in hooks:
             hook(inner, (), {})
 
@@ -730,11 +760,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             if g is None:
                 continue
             if g.is_sparse:
-                raise TypeError(f"parameter {self._names[i]} has a sparse gradient, which is not "
-                                "supported")
+                raise TypeError(
+                    f"parameter {self._names[i]} has a sparse gradient, which is not " "supported"
+                )
             if g.shape != p.shape:
-                raise ValueError(f"parameter {self._names[i]}'s .grad has shape "
-                                 f"{tuple(g.shape)}, not {tuple(p.shape)}")
+                raise ValueError(
+                    f"parameter {self._names[i]}'s .grad has shape "
+                    f"{tuple(g.shape)}, not {tuple(p.shape)}"
+                )
             g = g.detach()
             if not g.is_contiguous():
                 g = g.contiguous()
@@ -753,8 +786,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             fresh_a, fresh_g, add_a, add_g = [], [], [], []
         # At the boundary the pass also returns Σacc²: the clip norm, and the check that the
         # accumulated result is finite (finite gradients can overflow fp32 once summed).
-        want_norm = (boundary and not self._distributed and self.reduction != "running_mean"
-                     and not self._cuda)
+        want_norm = (
+            boundary
+            and not self._distributed
+            and self.reduction != "running_mean"
+            and not self._cuda
+        )
         # Validate everything before writing: both calls below check their lists first, and the
         # second cannot fail on input the first accepted (same checks, disjoint tensors).
         nonfinite = False
@@ -763,8 +800,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             if not accs:
                 continue
             r = core.accumulate(
-                accs, grads, weight=weight, mode=mode, weight_before=self._total_weight,
-                overwrite=overwrite, compute_sumsq=want_norm, nonfinite_out=self._device_flag,
+                accs,
+                grads,
+                weight=weight,
+                mode=mode,
+                weight_before=self._total_weight,
+                overwrite=overwrite,
+                compute_sumsq=want_norm,
+                nonfinite_out=self._device_flag,
             )
             if not self._cuda:
                 nonfinite |= r.nonfinite
@@ -787,8 +830,13 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 before = self._total_weight - (weight if self._overlapped else 0.0)
                 stale = [self._accs[i] for i, s in enumerate(self._seen) if s and i not in now]
                 if stale and before + weight > 0:
-                    core.apply(None, stale, optimizer="none", grad_scale=before / (before + weight),
-                               reset=False)
+                    core.apply(
+                        None,
+                        stale,
+                        optimizer="none",
+                        grad_scale=before / (before + weight),
+                        reset=False,
+                    )
             for i, p in enumerate(self._params):
                 if p.grad is not None:
                     self._seen[i] = True
@@ -847,8 +895,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             layers = [m for m in self.model.modules() if isinstance(m, _AccumBatchNormMixin)]
         known = {id(m) for m in layers}
         held = sorted(
-            (self._index[id(m.weight)], m) for m in live_layers()
-            if id(m) not in known and isinstance(m.weight, torch.Tensor)
+            (self._index[id(m.weight)], m)
+            for m in live_layers()
+            if id(m) not in known
+            and isinstance(m.weight, torch.Tensor)
             and id(m.weight) in self._index
         )
         return layers + [m for _, m in held]
@@ -900,31 +950,39 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if unseen:  # stale values from an earlier cycle must not be summed
             core.zero(unseen)
         if self.reduction == "running_mean":
-            self._flat[: -SCALAR_SLOTS].mul_(self._total_weight)
+            self._flat[:-SCALAR_SLOTS].mul_(self._total_weight)
         scalars = self._flat[-SCALAR_SLOTS:]
-        agree = agreement_slots([self.accum_steps, int(self._layout[:2], 16),
-                                 int(self._layout[2:4], 16), int(self._flushing)])
+        agree = agreement_slots(
+            [
+                self.accum_steps,
+                int(self._layout[:2], 16),
+                int(self._layout[2:4], 16),
+                int(self._flushing),
+            ]
+        )
         host = [self._total_weight, 1.0 if self._nonfinite else 0.0] + agree
         host += [0.0] * (SCALAR_SLOTS - len(host))
         scalars.copy_(torch.tensor(host, dtype=torch.float32))
         self._reducer.finish()
         reduced = scalars.tolist()
-        bad = disagreement(reduced[AGREE_SLOT:],
-                           ["accum_steps", "parameter layout", "parameter layout", "flush"])
+        bad = disagreement(
+            reduced[AGREE_SLOT:], ["accum_steps", "parameter layout", "parameter layout", "flush"]
+        )
         bad = list(dict.fromkeys(bad))
         if bad:
             # Every rank sees the same sums, so every rank raises here, in the same round.
             self._reset_cycle()
             self._bucket_done = [0] * self._reducer.num_buckets
             raise RuntimeError(
-                "GradientAccumulateOptimizer: the ranks disagreed on " + ", ".join(bad)
+                "GradientAccumulateOptimizer: the ranks disagreed on "
+                + ", ".join(bad)
                 + " in this cycle's reduction (different accum_steps or models, or flush() "
                 "called on some ranks and a regular step on others); the cycle was dropped"
             )
         self._total_weight = float(reduced[0])
         self._nonfinite = bool(reduced[1] > 0) or not math.isfinite(self._total_weight)
         if self.reduction == "running_mean" and self._total_weight > 0:
-            self._flat[: -SCALAR_SLOTS].div_(self._total_weight)
+            self._flat[:-SCALAR_SLOTS].div_(self._total_weight)
         # As with DDP, every parameter takes part in the update (zero where no rank had one).
         self._seen = [True] * len(self._params)
         self._sumsq = None
@@ -954,9 +1012,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 not self._seen[i] and self.reduction != "running_mean"
             )
             r = core.accumulate(
-                [self._accs[i]], [g], weight=weight,
+                [self._accs[i]],
+                [g],
+                weight=weight,
                 mode="running_mean" if self.reduction == "running_mean" else "sum",
-                weight_before=self._total_weight - weight, overwrite=fresh,
+                weight_before=self._total_weight - weight,
+                overwrite=fresh,
                 nonfinite_out=self._device_flag,
             )
         if not self._cuda:
@@ -1076,11 +1137,18 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         momentum = _float(group["momentum"])
         for ids, agc in self._agc_kwargs(gidx):
             # Parameters on their first momentum step (no buffer yet) go in a call of their own.
-            has_buf = [self.optimizer.state[self._params[i]].get("momentum_buffer") is not None
-                       for i in ids]
-            runs = [ids] if momentum == 0 else [
-                [i for i, h in zip(ids, has_buf) if h], [i for i, h in zip(ids, has_buf) if not h]
+            has_buf = [
+                self.optimizer.state[self._params[i]].get("momentum_buffer") is not None
+                for i in ids
             ]
+            runs = (
+                [ids]
+                if momentum == 0
+                else [
+                    [i for i, h in zip(ids, has_buf) if h],
+                    [i for i, h in zip(ids, has_buf) if not h],
+                ]
+            )
             for run in runs:
                 if run:
                     self._apply_sgd_run(group, run, scale, agc)
@@ -1097,12 +1165,22 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     s["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs = [s["momentum_buffer"] for s in states]
         core.apply(
-            [p.detach() for p in params], [self._accs[i] for i in ids], optimizer="sgd",
-            lr=_float(group["lr"]), grad_scale=scale, state1=bufs, agc=agc,
-            clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
-            weight_decay=_float(group["weight_decay"]), maximize=bool(group.get("maximize")),
-            momentum=momentum, dampening=_float(group["dampening"]),
-            nesterov=bool(group["nesterov"]), momentum_initialized=initialized,
+            [p.detach() for p in params],
+            [self._accs[i] for i in ids],
+            optimizer="sgd",
+            lr=_float(group["lr"]),
+            grad_scale=scale,
+            state1=bufs,
+            agc=agc,
+            clip_factor=self.clip_factor,
+            agc_eps=self.eps,
+            reset=False,
+            weight_decay=_float(group["weight_decay"]),
+            maximize=bool(group.get("maximize")),
+            momentum=momentum,
+            dampening=_float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            momentum_initialized=initialized,
             clip_coef=None if agc else self._clip_coef,
         )
         # The core wrote through raw pointers: bump autograd's version counters as an in-place
@@ -1110,8 +1188,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         torch.autograd.graph.increment_version(params)
 
     def _apply_adam(self, group: dict, gidx: list[int], scale: float) -> None:
-        decoupled = bool(group.get("decoupled_weight_decay",
-                                   isinstance(self.optimizer, torch.optim.AdamW)))
+        decoupled = bool(
+            group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+        )
         # Group parameters by their step count (parameters that joined later have fewer steps).
         by_step: dict[float, list[int]] = {}
         for i in gidx:
@@ -1130,14 +1209,22 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 params = [self._params[i] for i in ids]
                 states = [self.optimizer.state[p] for p in params]
                 core.apply(
-                    [p.detach() for p in params], [self._accs[i] for i in ids],
-                    optimizer="adamw" if decoupled else "adam", lr=_float(group["lr"]),
-                    grad_scale=scale, state1=[s["exp_avg"] for s in states],
-                    state2=[s["exp_avg_sq"] for s in states], agc=agc,
-                    clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
+                    [p.detach() for p in params],
+                    [self._accs[i] for i in ids],
+                    optimizer="adamw" if decoupled else "adam",
+                    lr=_float(group["lr"]),
+                    grad_scale=scale,
+                    state1=[s["exp_avg"] for s in states],
+                    state2=[s["exp_avg_sq"] for s in states],
+                    agc=agc,
+                    clip_factor=self.clip_factor,
+                    agc_eps=self.eps,
+                    reset=False,
                     weight_decay=_float(group["weight_decay"]),
-                    maximize=bool(group.get("maximize")), betas=(beta1, beta2),
-                    eps=_float(group["eps"]), step=int(step) + 1,
+                    maximize=bool(group.get("maximize")),
+                    betas=(beta1, beta2),
+                    eps=_float(group["eps"]),
+                    step=int(step) + 1,
                     clip_coef=None if agc else self._clip_coef,
                 )
                 torch.autograd.graph.increment_version(params)
@@ -1153,9 +1240,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 continue
             core.apply(
                 [self._params[i].detach() for i in ids] if agc else None,
-                [self._accs[i] for i in ids], optimizer="none", grad_scale=scale,
-                grads_out=[self._params[i].grad for i in ids], agc=agc,
-                clip_factor=self.clip_factor, agc_eps=self.eps, reset=False,
+                [self._accs[i] for i in ids],
+                optimizer="none",
+                grad_scale=scale,
+                grads_out=[self._params[i].grad for i in ids],
+                agc=agc,
+                clip_factor=self.clip_factor,
+                agc_eps=self.eps,
+                reset=False,
                 clip_coef=None if agc else self._clip_coef,
             )
         self.optimizer.step()
@@ -1199,14 +1291,30 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             raise ValueError("state_dict was not produced by GradientAccumulateOptimizer")
         acc = state_dict.get("accumulation")
         if not isinstance(acc, dict):
-            raise ValueError("state_dict has no 'accumulation' entry (not produced by "
-                             "GradientAccumulateOptimizer, or truncated)")
-        missing = [k for k in ("layout", "accum_steps", "reduction", "micro_step",
-                               "total_weight", "nonfinite", "updates", "seen", "accumulators")
-                   if k not in acc]
+            raise ValueError(
+                "state_dict has no 'accumulation' entry (not produced by "
+                "GradientAccumulateOptimizer, or truncated)"
+            )
+        missing = [
+            k
+            for k in (
+                "layout",
+                "accum_steps",
+                "reduction",
+                "micro_step",
+                "total_weight",
+                "nonfinite",
+                "updates",
+                "seen",
+                "accumulators",
+            )
+            if k not in acc
+        ]
         if missing:
-            raise ValueError(f"state_dict['accumulation'] lacks {missing} (truncated, or saved "
-                             "by an older version)")
+            raise ValueError(
+                f"state_dict['accumulation'] lacks {missing} (truncated, or saved "
+                "by an older version)"
+            )
         if acc["layout"] != self._layout:
             raise ValueError(
                 f"state_dict was saved for another parameter layout (fingerprint "
@@ -1214,8 +1322,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 "shapes, dtypes or groups differ"
             )
         flat = acc["accumulators"]
-        if (not isinstance(flat, torch.Tensor) or flat.dtype != torch.float32
-                or flat.shape != self._flat.shape):
+        if (
+            not isinstance(flat, torch.Tensor)
+            or flat.dtype != torch.float32
+            or flat.shape != self._flat.shape
+        ):
             raise ValueError("state_dict's accumulators do not match this optimizer's parameters")
         if acc["accum_steps"] != self.accum_steps or acc["reduction"] != self.reduction:
             raise ValueError(
@@ -1225,13 +1336,22 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             )
         seen = acc["seen"]
         micro = acc["micro_step"]
-        if (not isinstance(seen, (list, tuple)) or len(seen) != len(self._params)
-                or not isinstance(micro, int) or not 0 <= micro < self.accum_steps):
-            raise ValueError("state_dict's cycle position (micro_step, seen) does not fit this "
-                             "optimizer (truncated or edited)")
+        if (
+            not isinstance(seen, (list, tuple))
+            or len(seen) != len(self._params)
+            or not isinstance(micro, int)
+            or not 0 <= micro < self.accum_steps
+        ):
+            raise ValueError(
+                "state_dict's cycle position (micro_step, seen) does not fit this "
+                "optimizer (truncated or edited)"
+            )
         inner = state_dict["optimizer"]
-        if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list)
-                and isinstance(inner.get("state"), dict)):
+        if not (
+            isinstance(inner, dict)
+            and isinstance(inner.get("param_groups"), list)
+            and isinstance(inner.get("state"), dict)
+        ):
             raise ValueError("state_dict['optimizer'] is not an optimizer state dict")
         sizes = [len(g.get("params", ())) for g in inner["param_groups"]]
         if sizes != [len(g["params"]) for g in self.optimizer.param_groups]:

@@ -57,9 +57,12 @@ class _TrainerStep(torch.optim.Optimizer):
         self.wrapper = wrapper
         self.pending_weight: float | None = None
         for name in (
-            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
         ):
             setattr(self, name, OrderedDict())
 
@@ -157,8 +160,10 @@ class GradientAccumulationTrainer(Trainer):
                 )
             wrapper = given
         else:
-            inner = super().create_optimizer(model) if model is not None else (
-                super().create_optimizer()
+            inner = (
+                super().create_optimizer(model)
+                if model is not None
+                else (super().create_optimizer())
             )
             clip = self.args.max_grad_norm
             wrapper = GradientAccumulateOptimizer(

@@ -53,8 +53,9 @@ def test_accumulate_running_mean_matches_cpu(dev):
     g = [rand(n, torch.bfloat16, dev, 100 + i, -3, 3) for i, n in enumerate(SIZES)]
     acc_cpu = [a.cpu() for a in acc]
     core.accumulate(acc, g, weight=2.0, weight_before=6.0, mode="running_mean")
-    core.accumulate(acc_cpu, [x.cpu() for x in g], weight=2.0, weight_before=6.0,
-                    mode="running_mean")
+    core.accumulate(
+        acc_cpu, [x.cpu() for x in g], weight=2.0, weight_before=6.0, mode="running_mean"
+    )
     for a, b in zip(acc, acc_cpu):
         _close(a, b, 2**-23)
 
@@ -85,8 +86,14 @@ def test_sum_of_squares_is_deterministic_and_exact_to_fp64(dev):
 
 @pytest.mark.parametrize(
     "shape,layout",
-    [((64, 72), "leading"), ((33, 7), "leading"), ((5, 3000), "leading"), ((20000,), "leading"),
-     ((3, 3, 16, 70), "trailing"), ((9, 33), "trailing")],
+    [
+        ((64, 72), "leading"),
+        ((33, 7), "leading"),
+        ((5, 3000), "leading"),
+        ((20000,), "leading"),
+        ((3, 3, 16, 70), "trailing"),
+        ((9, 33), "trailing"),
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unitwise_norm_matches_cpu(dev, shape, layout, dtype):
@@ -108,19 +115,50 @@ def _apply_both(dev, optimizer, pdtype, sdtype, clip, **kw):
     uses_s2 = optimizer in ("adam", "adamw")
     out = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes]
     out_cpu = [t.cpu().clone() for t in out]
-    common = dict(optimizer=optimizer, lr=0.1, grad_scale=0.25, weight_decay=0.01, momentum=0.9,
-                  dampening=0.1, betas=(0.9, 0.999), eps=1e-8, step=3, reset=True, **kw)
+    common = dict(
+        optimizer=optimizer,
+        lr=0.1,
+        grad_scale=0.25,
+        weight_decay=0.01,
+        momentum=0.9,
+        dampening=0.1,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        step=3,
+        reset=True,
+        **kw,
+    )
     if clip == "global":
         common["max_norm"] = 5.0
     elif clip == "agc":
-        common.update(agc=True, clip_factor=0.05, agc_eps=1e-3,
-                      layout=[(64, "leading"), (1, "leading"), (29, "trailing"), (3, "leading"),
-                              (40000, "trailing")])
-    r_dev = core.apply(p, a, state1=s1 if uses_s1 else None, state2=s2 if uses_s2 else None,
-                       grads_out=out if optimizer == "none" else None, **common)
-    r_cpu = core.apply(cpu[0], cpu[1], state1=cpu[2] if uses_s1 else None,
-                       state2=cpu[3] if uses_s2 else None,
-                       grads_out=out_cpu if optimizer == "none" else None, **common)
+        common.update(
+            agc=True,
+            clip_factor=0.05,
+            agc_eps=1e-3,
+            layout=[
+                (64, "leading"),
+                (1, "leading"),
+                (29, "trailing"),
+                (3, "leading"),
+                (40000, "trailing"),
+            ],
+        )
+    r_dev = core.apply(
+        p,
+        a,
+        state1=s1 if uses_s1 else None,
+        state2=s2 if uses_s2 else None,
+        grads_out=out if optimizer == "none" else None,
+        **common,
+    )
+    r_cpu = core.apply(
+        cpu[0],
+        cpu[1],
+        state1=cpu[2] if uses_s1 else None,
+        state2=cpu[3] if uses_s2 else None,
+        grads_out=out_cpu if optimizer == "none" else None,
+        **common,
+    )
     for got, want in zip(p + s1 + s2 + out, cpu[0] + cpu[2] + cpu[3] + out_cpu):
         _close(got, want, 2e-6, floor=1e-2)
     for x in a:
@@ -172,8 +210,10 @@ def test_apply_skips_nonfinite_and_resets(dev):
 
 def test_adaptive_clip_matches_cpu(dev):
     p = [rand(128 * 96, torch.bfloat16, dev, 1).view(128, 96), rand(96, torch.bfloat16, dev, 2)]
-    g = [rand(128 * 96, torch.float32, dev, 3, -5, 5).view(128, 96),
-         rand(96, torch.float32, dev, 4, -5, 5)]
+    g = [
+        rand(128 * 96, torch.float32, dev, 3, -5, 5).view(128, 96),
+        rand(96, torch.float32, dev, 4, -5, 5),
+    ]
     g_cpu = [x.cpu() for x in g]
     core.adaptive_clip(p, g, clip_factor=0.01, eps=1e-3)
     core.adaptive_clip([x.cpu() for x in p], g_cpu, clip_factor=0.01, eps=1e-3)
@@ -234,8 +274,9 @@ def test_bad_input_raises_and_writes_nothing(dev):
     with pytest.raises(TypeError, match=r"grads\[0\]"):
         core.accumulate(a, [torch.ones(10)])  # a CPU gradient for a CUDA accumulator
     with pytest.raises(TypeError, match=r"accumulators\[0\]"):
-        core.accumulate([torch.zeros(10, dtype=torch.float64, device=dev)],
-                        [torch.ones(10, device=dev)])
+        core.accumulate(
+            [torch.zeros(10, dtype=torch.float64, device=dev)], [torch.ones(10, device=dev)]
+        )
     with pytest.raises(ValueError, match="weight"):
         core.accumulate(a, [torch.ones(10, device=dev)], weight=-1.0)
     assert not bool(a[0].any())

@@ -67,9 +67,11 @@ def _train(model, opt, ref, ref_opt, x, y, k, b, cycles, clip=None, agc=None):
 
 @pytest.mark.parametrize(
     "cls,kw",
-    [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
-     (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
-     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))],
+    [
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+        (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
+        (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    ],
 )
 def test_k_micro_batches_equal_the_big_batch(dev, cls, kw):
     model, ref = _setup(dev)
@@ -83,10 +85,10 @@ def test_k_micro_batches_equal_the_big_batch(dev, cls, kw):
 def test_global_norm_clipping_on_the_device(dev):
     model, ref = _setup(dev)
     x, y = _data(dev, 4 * 8 * 6)
-    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 4,
-                                      max_grad_norm=0.05)
-    _train(model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), x, y, 4, 8, 6,
-           clip=0.05)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), 4, max_grad_norm=0.05
+    )
+    _train(model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), x, y, 4, 8, 6, clip=0.05)
     assert _rel(list(model.parameters()), list(ref.parameters())) < 2e-5
     assert float(opt.last_grad_norm) > 0.05  # the last cycle was clipped
 
@@ -107,8 +109,9 @@ def test_agc_on_the_device(dev):
 
     model, ref = _setup(dev)
     x, y = _data(dev, 4 * 8 * 4)
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), 4,
-                                      use_agc=True, clip_factor=0.02, eps=1e-3)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), 4, use_agc=True, clip_factor=0.02, eps=1e-3
+    )
     _train(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.5), x, y, 4, 8, 4, agc=agc)
     assert _rel(list(model.parameters()), list(ref.parameters())) < 2e-5
 
@@ -151,8 +154,9 @@ def test_nonfinite_cycle_is_skipped_and_leaves_no_trace(dev):
 def test_micro_steps_do_not_synchronise(dev):
     model, _ = _setup(dev)
     x, y = _data(dev, 64)
-    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), 4,
-                                      max_grad_norm=1.0)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), 4, max_grad_norm=1.0
+    )
     for _ in range(2):
         for m in range(4):
             sl = slice(m * 16, (m + 1) * 16)

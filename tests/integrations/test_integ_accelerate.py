@@ -56,8 +56,8 @@ def _big_batch():
     sched = _sched(opt)
     mbs = _micro_batches()
     for start in range(0, len(mbs), K):
-        x = torch.cat([m[0] for m in mbs[start:start + K]])
-        y = torch.cat([m[1] for m in mbs[start:start + K]])
+        x = torch.cat([m[0] for m in mbs[start : start + K]])
+        y = torch.cat([m[1] for m in mbs[start : start + K]])
         F.mse_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -119,9 +119,11 @@ def test_prepared_wrapper_matches_the_big_batch():
     ours = _ours()
     own = _accelerate_own()
     scale = ref.abs().max().item()
-    print(f"max|dw| ours {(ours - ref).abs().max().item():.3e}, "
-          f"accelerate's own accumulation {(own - ref).abs().max().item():.3e}, "
-          f"max|w| {scale:.3f}")
+    print(
+        f"max|dw| ours {(ours - ref).abs().max().item():.3e}, "
+        f"accelerate's own accumulation {(own - ref).abs().max().item():.3e}, "
+        f"max|w| {scale:.3f}"
+    )
     assert (ours - ref).abs().max().item() <= 1e-5 * scale
 
 

@@ -13,7 +13,9 @@ K = 3
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(4, 6, bias=False), AccumBatchNorm1d(6, accum_steps=K), torch.nn.ReLU(),
+        torch.nn.Linear(4, 6, bias=False),
+        AccumBatchNorm1d(6, accum_steps=K),
+        torch.nn.ReLU(),
         torch.nn.Linear(6, 1),
     )
 

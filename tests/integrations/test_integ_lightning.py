@@ -71,8 +71,13 @@ def _loader():
 
 def _trainer(epochs: int, tmp_path=None) -> L.Trainer:
     return L.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
 
@@ -80,10 +85,9 @@ def _trainer(epochs: int, tmp_path=None) -> L.Trainer:
 def _ghost_bn(bn: nn.BatchNorm1d, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Big-batch reference: each micro-batch normalised by its own statistics (as in training),
     running statistics updated once from the whole big batch."""
-    out = torch.cat([
-        F.batch_norm(c, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
-        for c in x.split(sizes)
-    ])
+    out = torch.cat(
+        [F.batch_norm(c, None, None, bn.weight, bn.bias, True, 0.0, bn.eps) for c in x.split(sizes)]
+    )
     with torch.no_grad():
         xd = x.detach().double()
         m = bn.momentum
@@ -101,7 +105,7 @@ def _reference():
     x, y = _data()
     for _ in range(EPOCHS):
         for start in range(0, N, K * B):
-            xb, yb = x[start:start + K * B], y[start:start + K * B]
+            xb, yb = x[start : start + K * B], y[start : start + K * B]
             sizes = [len(c) for c in xb.split(B)]
             h = _ghost_bn(net[1], net[0](xb), sizes)
             loss = F.mse_loss(net[3](net[2](h)), yb)

@@ -56,9 +56,13 @@ def _transformers_factories() -> dict:
 
 def test_every_torch_scheduler_is_covered():
     found = {
-        name for name, obj in vars(L).items()
-        if inspect.isclass(obj) and issubclass(obj, L.LRScheduler) and obj is not L.LRScheduler
-        and not name.startswith("_") and obj.__module__ == L.__name__
+        name
+        for name, obj in vars(L).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, L.LRScheduler)
+        and obj is not L.LRScheduler
+        and not name.startswith("_")
+        and obj.__module__ == L.__name__
     }
     assert found <= set(_factories()), f"schedulers without a test: {found - set(_factories())}"
 
@@ -168,9 +172,7 @@ def test_step_hooks_fire_once_per_update(inner_cls):
     inner_calls = []
     inner.register_step_post_hook(lambda o, a, k: inner_calls.append(o is inner))
     glob = []
-    handle = register_optimizer_step_post_hook(
-        lambda o, a, k: glob.append(o is inner)
-    )
+    handle = register_optimizer_step_post_hook(lambda o, a, k: glob.append(o is inner))
     try:
         for i in range(7):
             model(torch.full((2, 3), float(i))).square().sum().backward()

@@ -49,20 +49,44 @@ def collate(items: list[dict]) -> dict:
 def _model():
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
 
 def _args(tmp_path, **kw):
     base = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=B, gradient_accumulation_steps=K,
-        num_train_epochs=EPOCHS, learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP,
-        lr_scheduler_type="linear", warmup_steps=WARMUP, adam_beta1=0.9, adam_beta2=0.999,
-        adam_epsilon=1e-8, optim="adamw_torch", report_to="none", save_strategy="no",
-        logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-        seed=0, data_seed=0, remove_unused_columns=False,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=B,
+        gradient_accumulation_steps=K,
+        num_train_epochs=EPOCHS,
+        learning_rate=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        lr_scheduler_type="linear",
+        warmup_steps=WARMUP,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        optim="adamw_torch",
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        data_seed=0,
+        remove_unused_columns=False,
     )
     base.update(kw)
     return transformers.TrainingArguments(**base)
@@ -96,23 +120,28 @@ def _token_exact_big_batch(total_updates: int):
     no_decay = [p for n, p in model.named_parameters() if n not in names]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.999), eps=1e-8,
+        lr=LR,
+        betas=(0.9, 0.999),
+        eps=1e-8,
     )
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, total_updates)
     data = _Data()
-    batches = [collate([data[j] for j in range(i, min(i + B, len(data)))])
-               for i in range(0, len(data), B)]
+    batches = [
+        collate([data[j] for j in range(i, min(i + B, len(data)))]) for i in range(0, len(data), B)
+    ]
     updates = 0
     for _ in range(EPOCHS):
         for start in range(0, len(batches), K):
-            cycle = batches[start:start + K]
+            cycle = batches[start : start + K]
             tokens = sum(target_tokens(b["labels"], True) for b in cycle)
             total = 0.0
             for b in cycle:
                 logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
                 total = total + torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1),
-                    ignore_index=-100, reduction="sum",
+                    logits[:, :-1].reshape(-1, VOCAB),
+                    b["labels"][:, 1:].reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
                 )
             (total / tokens).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -144,8 +173,10 @@ def test_trainer_is_token_exact(tmp_path):
     scale = ref.abs().max().item()
     d_ours = (w - ref).abs().max().item()
     d_own = (_flat(own.model) - ref).abs().max().item()
-    print(f"max|dw| from the token-exact big batch: ours {d_ours:.3e}, Trainer's own "
-          f"gradient_accumulation_steps {d_own:.3e} (max|w| {scale:.3f}, {updates} updates)")
+    print(
+        f"max|dw| from the token-exact big batch: ours {d_ours:.3e}, Trainer's own "
+        f"gradient_accumulation_steps {d_own:.3e} (max|w| {scale:.3f}, {updates} updates)"
+    )
     assert d_ours <= 1e-5 * scale
 
 
@@ -161,8 +192,9 @@ def test_bf16_model_accumulates_in_fp32_like_the_hand_loop(tmp_path):
     from gradient_accumulator.torch import GradientAccumulateOptimizer
 
     args = _args(tmp_path, num_train_epochs=1)
-    ours = OursInOrder(model=_model().to(torch.bfloat16), args=args, train_dataset=_Data(),
-                       data_collator=collate)
+    ours = OursInOrder(
+        model=_model().to(torch.bfloat16), args=args, train_dataset=_Data(), data_collator=collate
+    )
     ours.train()
     assert ours.state.global_step == 4
     assert all(a.dtype == torch.float32 for a in ours.accumulator.accumulators())
@@ -170,11 +202,16 @@ def test_bf16_model_accumulates_in_fp32_like_the_hand_loop(tmp_path):
     model = _model().to(torch.bfloat16)
     names = set(transformers.Trainer.get_decay_parameter_names(None, model))
     inner = torch.optim.AdamW(
-        [{"params": [p for n, p in model.named_parameters() if n in names],
-          "weight_decay": WD},
-         {"params": [p for n, p in model.named_parameters() if n not in names],
-          "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.999), eps=1e-8,
+        [
+            {"params": [p for n, p in model.named_parameters() if n in names], "weight_decay": WD},
+            {
+                "params": [p for n, p in model.named_parameters() if n not in names],
+                "weight_decay": 0.0,
+            },
+        ],
+        lr=LR,
+        betas=(0.9, 0.999),
+        eps=1e-8,
     )
     opt = GradientAccumulateOptimizer(inner, K, max_grad_norm=CLIP)
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, 4)

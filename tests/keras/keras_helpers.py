@@ -104,7 +104,13 @@ def train_big_batch(
 
 
 def train_accumulated(
-    wrapper: str, name: str, use_agc: bool, accum: int, micro: int, epochs: int = 2, seed: int = 0,
+    wrapper: str,
+    name: str,
+    use_agc: bool,
+    accum: int,
+    micro: int,
+    epochs: int = 2,
+    seed: int = 0,
     use_core=None,
 ):
     """Weights after training with ``accum`` micro-batches of ``micro`` per update."""

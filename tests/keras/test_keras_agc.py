@@ -53,8 +53,9 @@ def test_adaptive_clip_grad_matches_numpy(shape):
     rng = np.random.default_rng(10 + len(shape))
     w = rng.normal(size=shape).astype("float32")
     g = (rng.normal(size=shape) * rng.choice([0.001, 10.0], size=shape)).astype("float32")
-    (got,) = adaptive_clip_grad([ops.convert_to_tensor(w)], [ops.convert_to_tensor(g)],
-                                clip_factor=0.05, eps=1e-3)
+    (got,) = adaptive_clip_grad(
+        [ops.convert_to_tensor(w)], [ops.convert_to_tensor(g)], clip_factor=0.05, eps=1e-3
+    )
     max_norm = np.maximum(_np_unitwise(w), 1e-3) * 0.05
     g_norm = _np_unitwise(g)
     ref = np.where(g_norm < max_norm, g, g * max_norm / np.maximum(g_norm, 1e-6))
@@ -75,15 +76,16 @@ def _train(agc_exclude, use_core=None):
     x, y = data(32)
     inputs, outputs = mlp()
     model = keras.Model(inputs, outputs)
-    opt = GradientAccumulateOptimizer(make_inner("SGD"), accum_steps=2, use_agc=True,
-                                      agc_exclude=agc_exclude, use_core=use_core)
+    opt = GradientAccumulateOptimizer(
+        make_inner("SGD"), accum_steps=2, use_agc=True, agc_exclude=agc_exclude, use_core=use_core
+    )
     model.compile(opt, loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     return model
 
 
 def test_agc_exclusions():
-    """"final" leaves the last Dense alone; a layer or a pattern picks it the same way."""
+    """ "final" leaves the last Dense alone; a layer or a pattern picks it the same way."""
     final = _train("final")
     assert final.optimizer._agc_mask == [True, True, False, False]
     everything = _train(None)
@@ -96,13 +98,16 @@ def test_agc_exclusions():
     assert last_layer.name  # the layer form is resolved by identity on its weights
     inputs, outputs = mlp()
     model = keras.Model(inputs, outputs)
-    opt = GradientAccumulateOptimizer("sgd", accum_steps=2, use_agc=True,
-                                      agc_exclude=[model.layers[-1]])
+    opt = GradientAccumulateOptimizer(
+        "sgd", accum_steps=2, use_agc=True, agc_exclude=[model.layers[-1]]
+    )
     opt.build(model.trainable_variables)
     assert opt._agc_mask == [True, True, False, False]
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the C++ core path exists on the torch backend")
 def test_core_and_ops_agc_agree():
-    assert rel_diff(flat(_train("final", use_core=True)), flat(_train("final", use_core=False))) \
+    assert (
+        rel_diff(flat(_train("final", use_core=True)), flat(_train("final", use_core=False)))
         <= 1e-6
+    )

@@ -38,12 +38,14 @@ def test_k1_is_keras_batchnorm():
     assert rel_diff(_stats(accum_bn), _stats(keras_bn)) <= 1e-6
 
     def bn_model_weights(model):  # AccumBN's own accumulators come after BN's four weights
-        return np.concatenate([np.ravel(w) for layer in model.layers
-                               for w in layer.get_weights()[:4]])
+        return np.concatenate(
+            [np.ravel(w) for layer in model.layers for w in layer.get_weights()[:4]]
+        )
 
     assert rel_diff(bn_model_weights(models[1]), bn_model_weights(models[0])) <= 1e-6
-    np.testing.assert_allclose(models[1].predict(x, verbose=0), models[0].predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        models[1].predict(x, verbose=0), models[0].predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("accum", [2, 4])
@@ -75,7 +77,7 @@ def test_k_micro_batches_give_big_batch_statistics(accum):
     assert rel_diff(_stats(acc.layers[1]), _stats(big.layers[1])) <= 1e-5
     # The original's shortcut (mean of the micro-batch variances) would be visibly off here.
     cycle = x[: 8 * accum].astype(np.float64)
-    shortcut = np.mean([cycle[i:i + 8].var(0) for i in range(0, 8 * accum, 8)], axis=0)
+    shortcut = np.mean([cycle[i : i + 8].var(0) for i in range(0, 8 * accum, 8)], axis=0)
     assert np.max(np.abs(shortcut - cycle.var(0)) / cycle.var(0)) > 1e-2
 
 

@@ -35,8 +35,11 @@ def _model(kind: str, bn, accum: int | None = None, **bn_kwargs):
         inputs = keras.Input((*spatial, 2))
         conv = {1: keras.layers.Conv1D, 2: keras.layers.Conv2D, 3: keras.layers.Conv3D}
         features = conv[len(spatial)](CHANNELS, 2, padding="same", trainable=False)
-        pool = {1: keras.layers.GlobalAveragePooling1D, 2: keras.layers.GlobalAveragePooling2D,
-                3: keras.layers.GlobalAveragePooling3D}[len(spatial)]()
+        pool = {
+            1: keras.layers.GlobalAveragePooling1D,
+            2: keras.layers.GlobalAveragePooling2D,
+            3: keras.layers.GlobalAveragePooling3D,
+        }[len(spatial)]()
     h = bn(momentum=MOMENTUM, name="bn", **bn_kwargs)(features(inputs))
     if pool is not None:
         h = pool(h)
@@ -94,8 +97,9 @@ def test_one_layer_shared_by_inputs_of_different_rank():
     np.testing.assert_allclose(_np(layer.moving_variance), 0.5 + 0.5 * merged.var(0), rtol=1e-5)
     # Inference works at either rank with the moving statistics.
     mean, var = 0.5 * merged.mean(0), 0.5 + 0.5 * merged.var(0)
-    np.testing.assert_allclose(_np(layer(rows, training=False)),
-                               (rows - mean) / np.sqrt(var + 1e-3), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        _np(layer(rows, training=False)), (rows - mean) / np.sqrt(var + 1e-3), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_channel_mismatch_and_rank_one_are_refused():
@@ -128,5 +132,9 @@ def test_shared_layer_in_a_functional_model_trains_and_reloads(tmp_path):
     path = tmp_path / "shared.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
-    np.testing.assert_allclose(loaded.predict([xa, xb], verbose=0),
-                               model.predict([xa, xb], verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict([xa, xb], verbose=0),
+        model.predict([xa, xb], verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )

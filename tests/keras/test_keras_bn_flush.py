@@ -46,8 +46,9 @@ def test_short_last_cycle_gives_big_batch_statistics(wrapper):
         model.compile(keras.optimizers.SGD(0.0), loss="mse")
     else:
         model = keras.Model(inputs, outputs)
-        model.compile(GradientAccumulateOptimizer(keras.optimizers.SGD(0.0), accum_steps=ACCUM),
-                      loss="mse")
+        model.compile(
+            GradientAccumulateOptimizer(keras.optimizers.SGD(0.0), accum_steps=ACCUM), loss="mse"
+        )
         callbacks = [FlushAccumulation()]
     model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
 
@@ -56,8 +57,10 @@ def test_short_last_cycle_gives_big_batch_statistics(wrapper):
     assert int(np.asarray(layer.accum_step)) == 0
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
-                    reason="tf.data.Dataset.from_generator (a dataset of unknown size) is TF's")
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="tf.data.Dataset.from_generator (a dataset of unknown size) is TF's",
+)
 def test_dataset_of_unknown_size_keeps_statistics_in_phase():
     # Keras runs one more step on the exhausted iterator of a dataset of unknown size: the layer's
     # micro-step counter must not move in it, or its statistics drift out of phase.
@@ -73,8 +76,10 @@ def test_dataset_of_unknown_size_keeps_statistics_in_phase():
         for i in range(0, N, MICRO):
             yield x[i : i + MICRO], y[i : i + MICRO]
 
-    spec = (tf.TensorSpec((None, x.shape[1]), tf.float32), tf.TensorSpec((None, y.shape[1]),
-                                                                          tf.float32))
+    spec = (
+        tf.TensorSpec((None, x.shape[1]), tf.float32),
+        tf.TensorSpec((None, y.shape[1]), tf.float32),
+    )
     ds = tf.data.Dataset.from_generator(gen, output_signature=spec)
     assert int(ds.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
     inputs, outputs = mlp(bn=AccumBatchNormalization, accum_steps=ACCUM, momentum=MOMENTUM)

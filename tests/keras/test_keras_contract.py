@@ -17,8 +17,19 @@ from gradient_accumulator.keras import GradientAccumulateOptimizer
 BACKEND = keras.backend.backend()
 
 # Keras's test_gradient_accumulation_with_weigth_decay list.
-ALL_OPTIMIZERS = ["adam", "sgd", "adamw", "adagrad", "rmsprop", "adadelta", "adamax", "lion",
-                  "nadam", "ftrl", "adafactor"]
+ALL_OPTIMIZERS = [
+    "adam",
+    "sgd",
+    "adamw",
+    "adagrad",
+    "rmsprop",
+    "adadelta",
+    "adamax",
+    "lion",
+    "nadam",
+    "ftrl",
+    "adafactor",
+]
 
 
 def _np(x):
@@ -52,8 +63,9 @@ def test_values_around_the_boundary(name):
         assert int(_np(ours.micro_steps)) == int(_np(builtin._iterations)) == step
         assert ours.pending() == step % k
         if step % k:  # inside a cycle: the sum of the cycle's gradients, as Keras holds it
-            np.testing.assert_allclose(_np(ours.accumulators[0]),
-                                       _np(builtin._accumulated_gradients[0]), rtol=1e-6)
+            np.testing.assert_allclose(
+                _np(ours.accumulators[0]), _np(builtin._accumulated_gradients[0]), rtol=1e-6
+            )
     assert not np.allclose(_np(v_ours), [[1.0, 2.0], [3.0, 4.0]])
 
 
@@ -75,8 +87,7 @@ def test_accumulators_after_an_update_are_stale_until_the_next_micro_batch():
     ours.apply_gradients([(ones, v_ours)])
     builtin.apply_gradients([(ones, v_keras)])
     np.testing.assert_array_equal(_np(ours.accumulators[0]), 1.0)
-    np.testing.assert_array_equal(_np(ours.accumulators[0]),
-                                  _np(builtin._accumulated_gradients[0]))
+    np.testing.assert_array_equal(_np(ours.accumulators[0]), _np(builtin._accumulated_gradients[0]))
     np.testing.assert_array_equal(_np(v_ours), _np(v_keras))
 
 
@@ -98,13 +109,20 @@ def test_overwrite_with_gradient():
     grads = [np.abs(g) for g in _grads(10, seed=3)]
     for step in range(0, 10, 2):
         for opt, ow, v2 in ((ours, ow_ours, v2_ours), (builtin, ow_keras, v2_keras)):
-            opt.apply_gradients([(ops.convert_to_tensor(grads[step]), ow),
-                                 (ops.convert_to_tensor(grads[step + 1]), v2)])
+            opt.apply_gradients(
+                [
+                    (ops.convert_to_tensor(grads[step]), ow),
+                    (ops.convert_to_tensor(grads[step + 1]), v2),
+                ]
+            )
         np.testing.assert_allclose(_np(ow_ours), _np(ow_keras), rtol=1e-6)
         np.testing.assert_allclose(_np(v2_ours), _np(v2_keras), rtol=1e-6)
         if step // 2 % k == 0:  # inside a cycle: unchanged
-            expected = (np.array([[1.0, 2.0], [3.0, 4.0]]) if step == 0
-                        else np.maximum(grads[step - 4], grads[step - 2]))
+            expected = (
+                np.array([[1.0, 2.0], [3.0, 4.0]])
+                if step == 0
+                else np.maximum(grads[step - 4], grads[step - 2])
+            )
         else:
             expected = np.maximum(grads[step - 2], grads[step])
         np.testing.assert_allclose(_np(ow_ours), expected, rtol=1e-6)
@@ -120,8 +138,9 @@ def test_overwrite_with_negative_gradients_takes_their_maximum():
     g1, g2 = -np.abs(_grads(2, seed=4)[0]) - 0.1, -np.abs(_grads(2, seed=4)[1]) - 0.1
     for g in (g1, g2):
         ours.apply_gradients([(ops.convert_to_tensor(g), ow_ours), (ops.ones((2, 2)), v2_ours)])
-        builtin.apply_gradients([(ops.convert_to_tensor(g), ow_keras),
-                                 (ops.ones((2, 2)), v2_keras)])
+        builtin.apply_gradients(
+            [(ops.convert_to_tensor(g), ow_keras), (ops.ones((2, 2)), v2_keras)]
+        )
     np.testing.assert_allclose(_np(ow_ours), np.maximum(g1, g2), rtol=1e-6)
     np.testing.assert_array_equal(_np(ow_keras), 0.0)
     single = GradientAccumulateOptimizer(keras.optimizers.SGD(1.0), accum_steps=1)
@@ -161,14 +180,15 @@ def test_ema_is_the_big_batch_ema(overwrite_frequency):
     grads = _grads(k * cycles, seed=5)
 
     def sgd(**kw):
-        return keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.7,
-                                    ema_overwrite_frequency=overwrite_frequency, **kw)
+        return keras.optimizers.SGD(
+            0.5, use_ema=True, ema_momentum=0.7, ema_overwrite_frequency=overwrite_frequency, **kw
+        )
 
     big, builtin = sgd(), sgd(gradient_accumulation_steps=k)
     ours = GradientAccumulateOptimizer(sgd(), accum_steps=k)
     v_big, v_ours, v_keras = (keras.Variable([[1.0, 2.0], [3.0, 4.0]]) for _ in range(3))
     for c in range(cycles):
-        cycle = grads[c * k:(c + 1) * k]
+        cycle = grads[c * k : (c + 1) * k]
         big.apply_gradients([(ops.convert_to_tensor(np.mean(cycle, axis=0)), v_big)])
         for g in cycle:
             ours.apply_gradients([(ops.convert_to_tensor(g), v_ours)])
@@ -200,8 +220,7 @@ def test_clip_options_clip_the_averaged_gradient(clip, where):
     else:
         ours = GradientAccumulateOptimizer(keras.optimizers.SGD(1.0, **clip), accum_steps=k)
     v_ours = [keras.Variable(np.zeros((2, 2), "float32")), keras.Variable(np.zeros(3, "float32"))]
-    v_keras = [keras.Variable(np.zeros((2, 2), "float32")),
-               keras.Variable(np.zeros(3, "float32"))]
+    v_keras = [keras.Variable(np.zeros((2, 2), "float32")), keras.Variable(np.zeros(3, "float32"))]
     g1, g2 = _grads(6, seed=7), _grads(6, shape=(3,), seed=8)
     for a, b in zip(g1, g2):
         pair = [ops.convert_to_tensor(a), ops.convert_to_tensor(b)]
@@ -220,9 +239,15 @@ def test_argument_errors():
         GradientAccumulateOptimizer("sgd", clipnorm=1.0, clipvalue=1.0)
     with pytest.raises(ValueError, match="Only one of `clipnorm`, `clipvalue` and"):
         GradientAccumulateOptimizer("sgd", clipnorm=1.0, global_clipnorm=1.0)
-    for key, value in [("weight_decay", 0.5), ("use_ema", True), ("ema_momentum", 0.5),
-                       ("ema_overwrite_frequency", 2), ("loss_scale_factor", 0.5),
-                       ("gradient_accumulation_steps", 2), ("learning_rate", 0.1)]:
+    for key, value in [
+        ("weight_decay", 0.5),
+        ("use_ema", True),
+        ("ema_momentum", 0.5),
+        ("ema_overwrite_frequency", 2),
+        ("loss_scale_factor", 0.5),
+        ("gradient_accumulation_steps", 2),
+        ("learning_rate", 0.1),
+    ]:
         with pytest.raises(ValueError, match=f"{key} .*inner optimizer"):
             GradientAccumulateOptimizer("sgd", accum_steps=2, **{key: value})
     with pytest.raises(ValueError, match="Argument.*not recognized"):
@@ -238,8 +263,13 @@ def test_argument_errors():
 def test_config_round_trip():
     """get_config → from_config (and Keras serialization, and pickle) give the same config
     and the same updates."""
-    opt = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01, beta_1=0.8), accum_steps=3,
-                                      reduction="SUM", clipnorm=0.5, name="acc")
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.Adam(0.01, beta_1=0.8),
+        accum_steps=3,
+        reduction="SUM",
+        clipnorm=0.5,
+        name="acc",
+    )
     config = opt.get_config()
     for clone in (
         GradientAccumulateOptimizer.from_config(config),
@@ -262,22 +292,39 @@ def test_older_configs_deserialize():
     the base optimizer's arguments at their defaults loads; one with a real value is refused;
     a 0.5 config (tf.keras 2 inner optimizer with decay=0.0) loads with its settings."""
     base = {
-        "name": "acc", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
-        "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
-        "ema_overwrite_frequency": None, "loss_scale_factor": None,
-        "gradient_accumulation_steps": None, "learning_rate": 0.0,
+        "name": "acc",
+        "weight_decay": None,
+        "clipnorm": None,
+        "global_clipnorm": None,
+        "clipvalue": None,
+        "use_ema": False,
+        "ema_momentum": 0.99,
+        "ema_overwrite_frequency": None,
+        "loss_scale_factor": None,
+        "gradient_accumulation_steps": None,
+        "learning_rate": 0.0,
         "optimizer": keras.optimizers.serialize(keras.optimizers.SGD(0.5)),
-        "accum_steps": 2, "reduction": "MEAN",
+        "accum_steps": 2,
+        "reduction": "MEAN",
     }
     opt = GradientAccumulateOptimizer.from_config(base)
     assert opt.accum_steps == 2 and float(_np(opt.learning_rate)) == 0.5
     with pytest.raises(ValueError, match="use_ema .*inner optimizer"):
         GradientAccumulateOptimizer.from_config({**base, "use_ema": True})
     v05 = {
-        "name": "GradientAccumulateOptimizer", "accum_steps": 4, "reduction": "MEAN",
-        "optimizer": {"class_name": "SGD", "config": {
-            "name": "SGD", "learning_rate": 0.01, "decay": 0.0, "momentum": 0.9,
-            "nesterov": False}},
+        "name": "GradientAccumulateOptimizer",
+        "accum_steps": 4,
+        "reduction": "MEAN",
+        "optimizer": {
+            "class_name": "SGD",
+            "config": {
+                "name": "SGD",
+                "learning_rate": 0.01,
+                "decay": 0.0,
+                "momentum": 0.9,
+                "nesterov": False,
+            },
+        },
     }
     opt = GradientAccumulateOptimizer.from_config(v05)
     assert opt.accum_steps == 4 and opt.reduction == "MEAN"

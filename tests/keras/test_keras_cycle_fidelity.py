@@ -53,8 +53,9 @@ def _model(wrapper, multi, accum, inner="Adam"):
 def _big_batch(multi, n=64, epochs=2):
     x, y = data(n)
     model = _model("plain", multi, 1)
-    model.fit(x, _targets(y, multi), batch_size=ACCUM * MICRO, epochs=epochs, shuffle=False,
-              verbose=0)
+    model.fit(
+        x, _targets(y, multi), batch_size=ACCUM * MICRO, epochs=epochs, shuffle=False, verbose=0
+    )
     return flat(model)
 
 
@@ -117,15 +118,17 @@ def _unknown_size(x, y):
 
     def batches():
         for start in range(0, len(x), MICRO):
-            yield x[start:start + MICRO], y[start:start + MICRO]
+            yield x[start : start + MICRO], y[start : start + MICRO]
 
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
         ds = tf.data.Dataset.from_generator(
             batches,
-            output_signature=(tf.TensorSpec((None, x.shape[1]), "float32"),
-                              tf.TensorSpec((None, y.shape[1]), "float32")),
+            output_signature=(
+                tf.TensorSpec((None, x.shape[1]), "float32"),
+                tf.TensorSpec((None, y.shape[1]), "float32"),
+            ),
         )
         assert int(ds.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
         return ds

@@ -17,8 +17,9 @@ from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumula
 from gradient_accumulator.nonfinite import NonFiniteGradientWarning
 
 if BACKEND == "torch":
-    pytest.skip("Keras has no multi-device distribution on the torch backend",
-                allow_module_level=True)
+    pytest.skip(
+        "Keras has no multi-device distribution on the torch backend", allow_module_level=True
+    )
 
 ACCUM, MICRO = 4, 4
 
@@ -36,13 +37,16 @@ def _reference(name, use_agc):
 def _build(wrapper, name, use_agc):
     inputs, outputs = mlp()
     if wrapper == "model":
-        model = GradientAccumulateModel(accum_steps=ACCUM, use_agc=use_agc, inputs=inputs,
-                                        outputs=outputs)
+        model = GradientAccumulateModel(
+            accum_steps=ACCUM, use_agc=use_agc, inputs=inputs, outputs=outputs
+        )
         model.compile(make_inner(name), loss="mse")
     else:
         model = keras.Model(inputs, outputs)
-        model.compile(GradientAccumulateOptimizer(make_inner(name), accum_steps=ACCUM,
-                                                  use_agc=use_agc), loss="mse")
+        model.compile(
+            GradientAccumulateOptimizer(make_inner(name), accum_steps=ACCUM, use_agc=use_agc),
+            loss="mse",
+        )
     return model
 
 
@@ -90,8 +94,9 @@ def test_no_reduction_before_the_boundary():
     opt = model.optimizer
     assert opt.pending() == 2 and int(keras.ops.convert_to_numpy(opt.iterations)) == 0
     np.testing.assert_array_equal(flat(model), before)
-    first, second = (np.asarray(v) for v in
-                     strategy.experimental_local_results(opt.accumulators[0].value))
+    first, second = (
+        np.asarray(v) for v in strategy.experimental_local_results(opt.accumulators[0].value)
+    )
     assert np.abs(first - second).max() > 1e-3 * np.abs(first).max()
     model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
     assert int(keras.ops.convert_to_numpy(opt.iterations)) == 1
@@ -107,8 +112,9 @@ def test_save_and_load_under_distribution(tmp_path):
     model.save(tmp_path / "dist.keras")
     loaded = keras.models.load_model(tmp_path / "dist.keras")
     assert loaded.get_config()["accum_steps"] == ACCUM
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["on_nonfinite", "loss_scale"])
@@ -127,8 +133,9 @@ def test_a_nan_on_one_replica_drops_the_cycle_on_every_replica(mixed_precision):
     _, scope = _scope()
     with scope:
         inputs, outputs = mlp()
-        model = GradientAccumulateModel(accum_steps=ACCUM, mixed_precision=mixed_precision,
-                                        inputs=inputs, outputs=outputs)
+        model = GradientAccumulateModel(
+            accum_steps=ACCUM, mixed_precision=mixed_precision, inputs=inputs, outputs=outputs
+        )
         model.compile(make_inner("Adam"), loss="mse")
     if mixed_precision:
         model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)

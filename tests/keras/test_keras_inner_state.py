@@ -22,7 +22,8 @@ _NOT_PLAIN = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer"}
 NAMES = sorted(
     name
     for name, obj in vars(keras.optimizers).items()
-    if inspect.isclass(obj) and issubclass(obj, keras.optimizers.Optimizer)
+    if inspect.isclass(obj)
+    and issubclass(obj, keras.optimizers.Optimizer)
     and name not in _NOT_PLAIN
 )
 

@@ -39,13 +39,15 @@ def test_mixed_precision_matches_big_batch(policy, wrapper):
     big.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     inputs, outputs = _float32_head()
     if wrapper == "model":
-        acc = GradientAccumulateModel(accum_steps=4, mixed_precision=True, inputs=inputs,
-                                      outputs=outputs)
+        acc = GradientAccumulateModel(
+            accum_steps=4, mixed_precision=True, inputs=inputs, outputs=outputs
+        )
         acc.compile(keras.optimizers.Adam(1e-2), loss="mse")
     else:
         acc = keras.Model(inputs, outputs)
-        opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), accum_steps=4,
-                                          mixed_precision=True)
+        opt = GradientAccumulateOptimizer(
+            keras.optimizers.Adam(1e-2), accum_steps=4, mixed_precision=True
+        )
         acc.compile(opt, loss="mse", auto_scale_loss=False)
     acc.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     opt = acc.optimizer
@@ -73,8 +75,9 @@ def test_overflowing_cycle_is_skipped_in_fit():
     y_bad = y.copy()
     y_bad[4:8] = 6e4  # the second micro-batch of the first cycle overflows in float16
     inputs, outputs = _float32_head()
-    model = GradientAccumulateModel(accum_steps=2, mixed_precision=True, inputs=inputs,
-                                    outputs=outputs)
+    model = GradientAccumulateModel(
+        accum_steps=2, mixed_precision=True, inputs=inputs, outputs=outputs
+    )
     model.compile(keras.optimizers.SGD(0.01), loss="mse")
     before = flat(model)
     model.fit(x[:8], y_bad[:8], batch_size=4, epochs=1, shuffle=False, verbose=0)
@@ -101,7 +104,13 @@ def test_mixed_precision_batch_norm_statistics():
         model.compile(keras.optimizers.SGD(0.01), loss="mse")
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         bn = model.layers[1]
-        stats.append(np.concatenate([np.ravel(ops.convert_to_numpy(bn.moving_mean)),
-                                     np.ravel(ops.convert_to_numpy(bn.moving_variance))]))
+        stats.append(
+            np.concatenate(
+                [
+                    np.ravel(ops.convert_to_numpy(bn.moving_mean)),
+                    np.ravel(ops.convert_to_numpy(bn.moving_variance)),
+                ]
+            )
+        )
     # Statistics are computed in float32 from float16 inputs: equal up to float32 rounding.
     assert rel_diff(stats[1], stats[0]) <= 1e-5

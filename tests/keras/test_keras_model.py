@@ -15,8 +15,19 @@ def _sgd():
     return keras.optimizers.SGD(0.05)
 
 
-def _fit_pair(x, y, *, accum, micro, epochs=1, builder=mlp, fit_kwargs=None, compile_kwargs=None,
-              leftover="apply", sample_weight=None):
+def _fit_pair(
+    x,
+    y,
+    *,
+    accum,
+    micro,
+    epochs=1,
+    builder=mlp,
+    fit_kwargs=None,
+    compile_kwargs=None,
+    leftover="apply",
+    sample_weight=None,
+):
     """(plain model trained with batch accum·micro, model wrapper trained with micro × accum)."""
     fit_kwargs = dict(fit_kwargs or {}, epochs=epochs, shuffle=False, verbose=0)
     compile_kwargs = compile_kwargs or {"loss": "mse"}
@@ -25,8 +36,9 @@ def _fit_pair(x, y, *, accum, micro, epochs=1, builder=mlp, fit_kwargs=None, com
     big.compile(_sgd(), **compile_kwargs)
     big.fit(x, y, batch_size=accum * micro, sample_weight=sample_weight, **fit_kwargs)
     inputs, outputs = builder()
-    acc = GradientAccumulateModel(accum_steps=accum, leftover=leftover, inputs=inputs,
-                                  outputs=outputs)
+    acc = GradientAccumulateModel(
+        accum_steps=accum, leftover=leftover, inputs=inputs, outputs=outputs
+    )
     acc.compile(_sgd(), **compile_kwargs)
     acc.fit(x, y, batch_size=micro, sample_weight=sample_weight, **fit_kwargs)
     return big, acc
@@ -67,8 +79,15 @@ def test_multitask_two_inputs_two_outputs():
         "loss_weights": [1.0, 0.5],
         "metrics": [["mae"], ["accuracy"]],
     }
-    big, acc = _fit_pair([xa, xb], [y_reg, y_cls], accum=2, micro=8, epochs=2, builder=builder,
-                         compile_kwargs=compile_kwargs)
+    big, acc = _fit_pair(
+        [xa, xb],
+        [y_reg, y_cls],
+        accum=2,
+        micro=8,
+        epochs=2,
+        builder=builder,
+        compile_kwargs=compile_kwargs,
+    )
     assert rel_diff(flat(acc), flat(big)) <= TOL
     np.testing.assert_allclose(
         acc.evaluate([xa, xb], [y_reg, y_cls], verbose=0),
@@ -104,8 +123,7 @@ def test_short_last_cycle_carried_over():
     """leftover="carry": the 2 leftover micro-batches open the next epoch's first cycle."""
     x, y = data(40)
     inputs, outputs = mlp()
-    carry = GradientAccumulateModel(accum_steps=4, leftover="carry", inputs=inputs,
-                                    outputs=outputs)
+    carry = GradientAccumulateModel(accum_steps=4, leftover="carry", inputs=inputs, outputs=outputs)
     carry.compile(_sgd(), loss="mse")
     carry.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert int(carry.optimizer.iterations) == 2 and carry.optimizer.pending() == 2
@@ -125,8 +143,7 @@ def test_validation_sees_the_flushed_weights():
     inputs, outputs = mlp()
     model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
     model.compile(_sgd(), loss="mse")
-    hist = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
-                     validation_data=(x, y))
+    hist = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, validation_data=(x, y))
     assert hist.history["val_loss"][0] == pytest.approx(model.evaluate(x, y, verbose=0), rel=1e-5)
 
 
@@ -146,8 +163,9 @@ def test_param_count_unchanged():
 def test_save_and_load_keras_format(tmp_path):
     x, y = data(32)
     inputs, outputs = mlp()
-    model = GradientAccumulateModel(accum_steps=4, use_agc=True, clip_factor=0.05,
-                                    inputs=inputs, outputs=outputs)
+    model = GradientAccumulateModel(
+        accum_steps=4, use_agc=True, clip_factor=0.05, inputs=inputs, outputs=outputs
+    )
     model.compile(keras.optimizers.Adam(1e-2), loss="mse")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     path = tmp_path / "model.keras"
@@ -159,21 +177,23 @@ def test_save_and_load_keras_format(tmp_path):
     assert isinstance(loaded.optimizer, GradientAccumulateOptimizer)
     assert loaded.optimizer.accum_steps == 4
     np.testing.assert_allclose(flat(loaded), flat(model))
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
 def test_resume_mid_cycle(tmp_path, name):
     """Saved after 6 micro-batches (k=4), reloaded, 2 more: same as 8 without stopping."""
     x, y = data(32)
-    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 32, 4)]
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 32, 4)]
 
     def new_model():
         inputs, outputs = mlp()
         model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
-        opt = keras.optimizers.SGD(0.05, momentum=0.9) if name == "SGD" else \
-            keras.optimizers.Adam(0.01)
+        opt = (
+            keras.optimizers.SGD(0.05, momentum=0.9)
+            if name == "SGD"
+            else keras.optimizers.Adam(0.01)
+        )
         model.compile(opt, loss="mse")
         return model
 

@@ -57,8 +57,9 @@ def _reference(samples, **path):
     """The same accumulation, on ``samples`` only (the bad cycle never seen)."""
     x, y = _data(bad=False)
     model = _model()
-    model.compile(GradientAccumulateOptimizer(keras.optimizers.Adam(0.05), ACCUM, **path),
-                  loss="mse")
+    model.compile(
+        GradientAccumulateOptimizer(keras.optimizers.Adam(0.05), ACCUM, **path), loss="mse"
+    )
     model.fit(x[samples], y[samples], batch_size=1, shuffle=False, verbose=0)
     return model
 
@@ -74,8 +75,9 @@ def _fit(model, x, y, **kwargs):
 def test_skip_drops_the_cycle_and_warns_in_fit(path):
     x, y = _data()
     model = _model(GradientAccumulateModel, accum_steps=ACCUM)
-    model.compile(GradientAccumulateOptimizer(keras.optimizers.Adam(0.05), ACCUM, **path),
-                  loss="mse")
+    model.compile(
+        GradientAccumulateOptimizer(keras.optimizers.Adam(0.05), ACCUM, **path), loss="mse"
+    )
     caught = _fit(model, x, y)
     opt = model.optimizer
     assert len(caught) == 1 and "1 cycle skipped" in str(caught[0].message)
@@ -103,8 +105,11 @@ def test_raise_stops_fit_with_the_weights_of_the_last_good_cycle(path):
     x, y = _data()
     model = _model(GradientAccumulateModel, accum_steps=ACCUM, on_nonfinite="raise")
     model.compile(keras.optimizers.Adam(0.05), loss="mse") if not path else model.compile(
-        GradientAccumulateOptimizer(keras.optimizers.Adam(0.05), ACCUM, on_nonfinite="raise",
-                                    **path), loss="mse")
+        GradientAccumulateOptimizer(
+            keras.optimizers.Adam(0.05), ACCUM, on_nonfinite="raise", **path
+        ),
+        loss="mse",
+    )
     with pytest.raises(NonFiniteGradientError, match="on_nonfinite='raise'"):
         model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
     if BACKEND == "jax":
@@ -124,8 +129,7 @@ def test_apply_writes_the_nonfinite_update():
 
 
 def _eager_opt(model, **kwargs):
-    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), ACCUM, reduction="SUM",
-                                      **kwargs)
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), ACCUM, reduction="SUM", **kwargs)
     opt.build(model.trainable_variables)
     return opt
 
@@ -144,8 +148,11 @@ def test_eager_apply_warns_on_the_1st_2nd_4th_skip(path):
         for _ in range(5):  # five cycles, each with one NaN micro-batch
             opt.apply(_grads(model, np.nan), model.trainable_variables)
             opt.apply(_grads(model, 1.0), model.trainable_variables)
-    counts = [re.search(r"\((\d+) cycles? skipped so far\)", str(w.message)).group(1)
-              for w in caught if issubclass(w.category, NonFiniteGradientWarning)]
+    counts = [
+        re.search(r"\((\d+) cycles? skipped so far\)", str(w.message)).group(1)
+        for w in caught
+        if issubclass(w.category, NonFiniteGradientWarning)
+    ]
     assert counts == ["1", "2", "4"]
     assert opt.nonfinite_skipped == 5 and int(opt.iterations) == 0
     assert _max_diff(_weights(model), before) == 0.0
@@ -182,8 +189,10 @@ def test_loss_scaling_skips_silently_whatever_on_nonfinite_says():
 
 
 @pytest.mark.parametrize("cls", ["optimizer", "model"])
-@pytest.mark.parametrize(("value", "error"), [("never", ValueError), (None, TypeError),
-                                              (1, TypeError), ("SKIP", ValueError)])
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("never", ValueError), (None, TypeError), (1, TypeError), ("SKIP", ValueError)],
+)
 def test_bad_on_nonfinite_is_refused_by_name(cls, value, error):
     with pytest.raises(error, match="on_nonfinite"):
         if cls == "optimizer":

@@ -28,8 +28,11 @@ def test_inner_update_runs_only_at_the_boundary(use_core):
     """No moment update, no weight change, no inner step on the k−1 skipped micro-steps."""
     w = keras.Variable(np.ones(3, "float32"))
     opt = GradientAccumulateOptimizer(keras.optimizers.Adam(0.1), accum_steps=3, use_core=use_core)
-    grads = [np.array([1.0, 2.0, 3.0], "float32"), np.array([3.0, 2.0, 1.0], "float32"),
-             np.array([2.0, 2.0, 2.0], "float32")]
+    grads = [
+        np.array([1.0, 2.0, 3.0], "float32"),
+        np.array([3.0, 2.0, 1.0], "float32"),
+        np.array([2.0, 2.0, 2.0], "float32"),
+    ]
     for g in grads[:2]:
         _apply(opt, [w], [g])
         np.testing.assert_array_equal(_np(w), np.ones(3))
@@ -50,9 +53,7 @@ def test_schedule_counts_updates(use_core):
     """The learning-rate schedule sees the number of updates, not of micro-steps."""
     sched = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1], [1.0, 0.5, 0.25])
     w = keras.Variable(np.zeros(2, "float32"))
-    opt = GradientAccumulateOptimizer(
-        keras.optimizers.SGD(sched), accum_steps=2, use_core=use_core
-    )
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(sched), accum_steps=2, use_core=use_core)
     expected = np.zeros(2)
     for lr in (1.0, 0.5, 0.25):
         for _ in range(2):
@@ -106,8 +107,9 @@ def test_low_precision_variables_accumulate_in_float32(use_core):
     w = keras.Variable(np.zeros(256, "float32"), dtype="bfloat16")
     opt = GradientAccumulateOptimizer(keras.optimizers.SGD(1.0), accum_steps=k, use_core=use_core)
     rng = np.random.default_rng(0)
-    grads = [ops.cast(rng.normal(1.0, 0.1, size=256).astype("float32"), "bfloat16")
-             for _ in range(k)]
+    grads = [
+        ops.cast(rng.normal(1.0, 0.1, size=256).astype("float32"), "bfloat16") for _ in range(k)
+    ]
     opt.apply(grads[:1], [w])
     assert keras.backend.standardize_dtype(opt.accumulators[0].dtype) == "float32"
     for g in grads[1:]:
@@ -123,8 +125,12 @@ def test_nonfinite_cycle_is_skipped_and_scale_adapts(use_core):
     """mixed_precision: a cycle with inf skips, resets, halves the scale; growth doubles it."""
     w = keras.Variable(np.zeros(2, "float32"))
     opt = GradientAccumulateOptimizer(
-        keras.optimizers.SGD(1.0), accum_steps=2, mixed_precision=True, initial_scale=8.0,
-        dynamic_growth_steps=2, use_core=use_core,
+        keras.optimizers.SGD(1.0),
+        accum_steps=2,
+        mixed_precision=True,
+        initial_scale=8.0,
+        dynamic_growth_steps=2,
+        use_core=use_core,
     )
     one = np.ones(2, "float32")
     _apply(opt, [w], [8.0 * one])
@@ -152,8 +158,13 @@ def test_loss_scale_optimizer_is_taken_over():
 def test_config_round_trip():
     opt = GradientAccumulateOptimizer(
         keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)),
-        accum_steps=3, reduction="SUM", use_agc=True, clip_factor=0.02, eps=1e-4,
-        leftover="carry", global_clipnorm=1.0,
+        accum_steps=3,
+        reduction="SUM",
+        use_agc=True,
+        clip_factor=0.02,
+        eps=1e-4,
+        leftover="carry",
+        global_clipnorm=1.0,
     )
     config = opt.get_config()
     assert config["accum_steps"] == 3 and config["reduction"] == "SUM"

@@ -21,13 +21,23 @@ from gradient_accumulator.keras import (
 )
 
 BAD_COUNTS = [
-    ("4", TypeError), (4.0, TypeError), (True, TypeError), (None, TypeError),
-    (np.float32(4), TypeError), (0, ValueError), (-3, ValueError), (2**31, ValueError),
+    ("4", TypeError),
+    (4.0, TypeError),
+    (True, TypeError),
+    (None, TypeError),
+    (np.float32(4), TypeError),
+    (0, ValueError),
+    (-3, ValueError),
+    (2**31, ValueError),
     (10**12, ValueError),
 ]
 BAD_POSITIVE = [
-    ("1", TypeError), (True, TypeError), (0.0, ValueError), (-1.0, ValueError),
-    (math.nan, ValueError), (math.inf, ValueError),
+    ("1", TypeError),
+    (True, TypeError),
+    (0.0, ValueError),
+    (-1.0, ValueError),
+    (math.nan, ValueError),
+    (math.inf, ValueError),
 ]
 
 
@@ -59,8 +69,9 @@ def test_accum_steps_same_error_everywhere(site, value, error):
         COUNT_SITES[site](value)
 
 
-@pytest.mark.parametrize("site", ["GradientAccumulateOptimizer", "GradientAccumulateModel",
-                                  "AccumBatchNormalization"])
+@pytest.mark.parametrize(
+    "site", ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumBatchNormalization"]
+)
 def test_numpy_integer_accum_steps_is_an_int(site):
     made = COUNT_SITES[site](np.int64(4))
     assert type(made.accum_steps) is int and made.accum_steps == 4

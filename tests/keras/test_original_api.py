@@ -20,8 +20,12 @@ import gradient_accumulator.keras as ga_keras
 # What 0.5's modules exported, by module (its __init__ exported all but replace_batchnorm_layers).
 ORIGINAL_MODULES = {
     "gradient_accumulator": [
-        "GradientAccumulateModel", "GradientAccumulateOptimizer", "AccumBatchNormalization",
-        "adaptive_clip_grad", "compute_norm", "unitwise_norm",
+        "GradientAccumulateModel",
+        "GradientAccumulateOptimizer",
+        "AccumBatchNormalization",
+        "adaptive_clip_grad",
+        "compute_norm",
+        "unitwise_norm",
     ],
     "gradient_accumulator.accumulators": ["GradientAccumulateModel", "GradientAccumulateOptimizer"],
     "gradient_accumulator.layers": ["AccumBatchNormalization"],
@@ -32,18 +36,31 @@ ORIGINAL_MODULES = {
 # 0.5's signatures: (name, default) of the arguments it had, in its order.
 ORIGINAL_DEFAULTS = {
     "GradientAccumulateModel": [
-        ("accum_steps", 1), ("mixed_precision", False), ("use_agc", False),
-        ("clip_factor", 0.01), ("eps", 1e-3), ("experimental_distributed_support", False),
+        ("accum_steps", 1),
+        ("mixed_precision", False),
+        ("use_agc", False),
+        ("clip_factor", 0.01),
+        ("eps", 1e-3),
+        ("experimental_distributed_support", False),
     ],
     "GradientAccumulateOptimizer": [
-        ("optimizer", "SGD"), ("accum_steps", 1), ("reduction", "MEAN"),
+        ("optimizer", "SGD"),
+        ("accum_steps", 1),
+        ("reduction", "MEAN"),
         ("name", "GradientAccumulateOptimizer"),
     ],
     "AccumBatchNormalization": [
-        ("accum_steps", 1), ("momentum", 0.99), ("epsilon", 1e-3), ("trainable", True),
+        ("accum_steps", 1),
+        ("momentum", 0.99),
+        ("epsilon", 1e-3),
+        ("trainable", True),
     ],
-    "adaptive_clip_grad": [("parameters", None), ("gradients", None), ("clip_factor", 0.01),
-                           ("eps", 1e-3)],
+    "adaptive_clip_grad": [
+        ("parameters", None),
+        ("gradients", None),
+        ("clip_factor", 0.01),
+        ("eps", 1e-3),
+    ],
     "compute_norm": [("x", None), ("axis", None), ("keepdims", None)],
     "unitwise_norm": [("x", None)],
     "replace_batchnorm_layers": [("model", None), ("accum_steps", None), ("position", "replace")],
@@ -59,8 +76,14 @@ def test_import_needs_no_framework():
         "assert {'compute_norm', 'layers', 'agc', 'utils', 'accumulators'} <= set(dir(ga))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -78,8 +101,10 @@ def test_original_modules_as_attributes_of_the_package():
     assert gradient_accumulator.layers.AccumBatchNormalization is ga_keras.AccumBatchNormalization
     assert gradient_accumulator.agc.compute_norm is ga_keras.compute_norm
     assert gradient_accumulator.utils.replace_batchnorm_layers is ga_keras.replace_batchnorm_layers
-    assert (gradient_accumulator.accumulators.GradientAccumulateOptimizer
-            is ga_keras.GradientAccumulateOptimizer)
+    assert (
+        gradient_accumulator.accumulators.GradientAccumulateOptimizer
+        is ga_keras.GradientAccumulateOptimizer
+    )
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         gradient_accumulator.nope  # noqa: B018
 
@@ -98,8 +123,9 @@ def test_compute_norm_matches_numpy():
     """0.5's ``compute_norm(x, axis, keepdims)``: sqrt(sum(x²)) over the axes."""
     x = np.arange(24, dtype="float32").reshape(2, 3, 4) - 11.5
     got = ops.convert_to_numpy(gradient_accumulator.compute_norm(x, axis=(0, 1), keepdims=True))
-    np.testing.assert_allclose(got, np.sqrt((x.astype(np.float64) ** 2).sum((0, 1), keepdims=True)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        got, np.sqrt((x.astype(np.float64) ** 2).sum((0, 1), keepdims=True)), rtol=1e-6
+    )
     whole = float(ops.convert_to_numpy(gradient_accumulator.compute_norm(x, None, False)))
     assert whole == pytest.approx(float(np.linalg.norm(x.astype(np.float64))), rel=1e-6)
 
@@ -122,12 +148,17 @@ def test_ignored_optimizer_arguments_warn_and_change_nothing(key):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 2)).astype("float32")
     with pytest.warns(DeprecationWarning, match=f"{key}=.*inner optimizer"):
-        opt = ga_keras.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2,
-                                                   **{key: 0.5})
+        opt = ga_keras.GradientAccumulateOptimizer(
+            keras.optimizers.SGD(0.1), accum_steps=2, **{key: 0.5}
+        )
     assert key not in opt.get_config()
     got = _fit(keras.Model(*_dense()), opt, x, y)
-    ref = _fit(keras.Model(*_dense()),
-               ga_keras.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2), x, y)
+    ref = _fit(
+        keras.Model(*_dense()),
+        ga_keras.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2),
+        x,
+        y,
+    )
     np.testing.assert_array_equal(got, ref)
 
 
@@ -135,8 +166,9 @@ def test_experimental_distributed_support_warns():
     """The model wrapper's 0.5 switch has no meaning now (distribution needs none)."""
     inputs, outputs = _dense()
     with pytest.warns(DeprecationWarning, match="experimental_distributed_support"):
-        ga_keras.GradientAccumulateModel(2, False, False, 0.01, 1e-3, True,
-                                         inputs=inputs, outputs=outputs)
+        ga_keras.GradientAccumulateModel(
+            2, False, False, 0.01, 1e-3, True, inputs=inputs, outputs=outputs
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r".*gradient-accumulator 0\.5")
         ga_keras.GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
@@ -149,7 +181,8 @@ def test_deprecated_attributes_are_aliases(tmp_path):
     inputs = keras.Input((3,))
     bn = ga_keras.AccumBatchNormalization(accum_steps=3, name="bn")
     model = ga_keras.GradientAccumulateModel(
-        accum_steps=3, inputs=inputs, outputs=keras.layers.Dense(1)(bn(inputs)))
+        accum_steps=3, inputs=inputs, outputs=keras.layers.Dense(1)(bn(inputs))
+    )
     model.compile(keras.optimizers.SGD(0.1), loss="mse")
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(4, 1)).astype("float32")

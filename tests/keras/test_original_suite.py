@@ -56,9 +56,11 @@ def _mlp(seed=0, bn=None, **bn_kwargs):
 
 def _opt(name, lr=None):
     """The original's get_opt: SGD(1e-2), Adam(1e-3), RMSprop(1e-3) (larger steps here)."""
-    return {"SGD": lambda: keras.optimizers.SGD(lr or 5e-2),
-            "Adam": lambda: keras.optimizers.Adam(lr or 1e-2),
-            "RMSprop": lambda: keras.optimizers.RMSprop(lr or 1e-2)}[name]()
+    return {
+        "SGD": lambda: keras.optimizers.SGD(lr or 5e-2),
+        "Adam": lambda: keras.optimizers.Adam(lr or 1e-2),
+        "RMSprop": lambda: keras.optimizers.RMSprop(lr or 1e-2),
+    }[name]()
 
 
 def _train(wrapper, opt_name, accum, batch, epochs=2, x=None, y=None):
@@ -74,8 +76,9 @@ def _train(wrapper, opt_name, accum, batch, epochs=2, x=None, y=None):
         opt = _opt(opt_name)
         if wrapper == "optimizer":
             opt = GradientAccumulateOptimizer(optimizer=opt, accum_steps=accum)
-    model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     return model
 
@@ -111,8 +114,11 @@ def test_optimizer_distribute(strategy, opt_name):
     """test_optimizer_distribute: the default strategy and a one-replica MirroredStrategy."""
     import tensorflow as tf
 
-    scope = (tf.distribute.get_strategy() if strategy == "default"
-             else tf.distribute.MirroredStrategy(["/cpu:0"]))
+    scope = (
+        tf.distribute.get_strategy()
+        if strategy == "default"
+        else tf.distribute.MirroredStrategy(["/cpu:0"])
+    )
     big = _flat(_train(None, opt_name, 1, 40))
     with scope.scope():
         model = _train("optimizer", opt_name, 2, 20)
@@ -130,8 +136,9 @@ def test_model_distribute(tmp_path):
     with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
         inputs, outputs = _mlp()
         with pytest.warns(DeprecationWarning):
-            model = GradientAccumulateModel(4, False, False, 0.01, 1e-3, True,
-                                            inputs=inputs, outputs=outputs)
+            model = GradientAccumulateModel(
+                4, False, False, 0.01, 1e-3, True, inputs=inputs, outputs=outputs
+            )
         model.compile(_opt("SGD"), loss=keras.losses.SparseCategoricalCrossentropy(True))
         model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0)
     assert _rel(_flat(model), big) <= TOL
@@ -149,14 +156,16 @@ def _multitask(accum):
     feats = keras.layers.Concatenate()([keras.layers.Flatten()(h), vector])
     cls = keras.layers.Dense(10, name="cls")(keras.layers.Dense(16, activation="relu")(feats))
     kwargs = {"inputs": [image, vector], "outputs": [recon, cls]}
-    model = (GradientAccumulateModel(accum_steps=accum, **kwargs) if accum > 1
-             else keras.Model(**kwargs))
-    model.compile(keras.optimizers.SGD(5e-2),
-                  loss=["mse", keras.losses.SparseCategoricalCrossentropy(from_logits=True)])
+    model = (
+        GradientAccumulateModel(accum_steps=accum, **kwargs) if accum > 1 else keras.Model(**kwargs)
+    )
+    model.compile(
+        keras.optimizers.SGD(5e-2),
+        loss=["mse", keras.losses.SparseCategoricalCrossentropy(from_logits=True)],
+    )
     x, y = _digits(128)
     images = x.reshape(-1, 8, 8, 1)
-    model.fit([images, x], [images, y], batch_size=32 // accum, epochs=1, shuffle=False,
-              verbose=0)
+    model.fit([images, x], [images, y], batch_size=32 // accum, epochs=1, shuffle=False, verbose=0)
     return model, model.evaluate([images, x], [images, y], verbose=0)
 
 
@@ -170,11 +179,16 @@ def test_multitask():
 
 def _bn_model(accum, bn, batch, epochs=3, wrap=True, **bn_kwargs):
     inputs, outputs = _mlp(bn=bn, **bn_kwargs)
-    model = (GradientAccumulateModel(accum_steps=accum, inputs=inputs, outputs=outputs)
-             if wrap else keras.Model(inputs, outputs))
-    model.compile(keras.optimizers.SGD(0.3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model = (
+        GradientAccumulateModel(accum_steps=accum, inputs=inputs, outputs=outputs)
+        if wrap
+        else keras.Model(inputs, outputs)
+    )
+    model.compile(
+        keras.optimizers.SGD(0.3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     x, y = _digits()
     model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     return model, model.evaluate(x, y, verbose=0)
@@ -213,10 +227,13 @@ def test_mixed_precision():
         for accum in (1, 4):
             inputs, outputs = _mlp()
             outputs = keras.layers.Activation("linear", dtype="float32")(outputs)
-            model = GradientAccumulateModel(accum_steps=accum, mixed_precision=True,
-                                            inputs=inputs, outputs=outputs)
-            model.compile(keras.optimizers.Adam(1e-3),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = GradientAccumulateModel(
+                accum_steps=accum, mixed_precision=True, inputs=inputs, outputs=outputs
+            )
+            model.compile(
+                keras.optimizers.Adam(1e-3),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
             x, y = _digits()
             model.fit(x, y, batch_size=40 // accum, epochs=1, shuffle=False, verbose=0)
             models.append(_flat(model))
@@ -229,7 +246,7 @@ def test_mixed_precision():
 def test_unitwise_norm():
     """test_unitwise_norm: ranks 0-5 work, rank 6 raises ValueError; and the norms' values."""
     for rank in range(6):
-        x = np.arange(1, 3 ** rank + 1, dtype="float32").reshape((3,) * rank)
+        x = np.arange(1, 3**rank + 1, dtype="float32").reshape((3,) * rank)
         got = np.asarray(ops.convert_to_numpy(unitwise_norm(ops.convert_to_tensor(x))))
         axes = {0: None, 1: None, 2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}[rank]
         ref = np.sqrt((x.astype(np.float64) ** 2).sum(axis=axes, keepdims=rank > 1))
@@ -245,17 +262,21 @@ def test_train_agc(tmp_path):
     runs = []
     for accum in (1, 4):
         inputs, outputs = _mlp()
-        model = GradientAccumulateModel(accum_steps=accum, use_agc=True, agc_exclude=None,
-                                        inputs=inputs, outputs=outputs)
-        model.compile(keras.optimizers.SGD(0.5),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = GradientAccumulateModel(
+            accum_steps=accum, use_agc=True, agc_exclude=None, inputs=inputs, outputs=outputs
+        )
+        model.compile(
+            keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         model.fit(x, y, batch_size=40 // accum, epochs=1, shuffle=False, verbose=0)
         runs.append(model)
     assert _rel(_flat(runs[1]), _flat(runs[0])) <= TOL
     runs[1].save(tmp_path / "agc.keras")
     loaded = keras.saving.load_model(tmp_path / "agc.keras")
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), runs[1].predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), runs[1].predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dims", [2, 3])
@@ -266,14 +287,14 @@ def test_bn_convnd(dims, tmp_path):
     keras.utils.set_random_seed(0)
     shape = (8, 8, 1) if dims == 2 else (8, 8, 8, 1)
     conv = keras.layers.Conv2D if dims == 2 else keras.layers.Conv3D
-    pool = (keras.layers.GlobalAveragePooling2D if dims == 2
-            else keras.layers.GlobalAveragePooling3D)
+    pool = keras.layers.GlobalAveragePooling2D if dims == 2 else keras.layers.GlobalAveragePooling3D
     shared = AccumBatchNormalization(name="shared")
     inputs = keras.Input(shape)
     h = pool()(shared(conv(4, 3, padding="same")(inputs)))
     h = shared(keras.layers.Dense(4)(h))
-    model = GradientAccumulateModel(accum_steps=1, inputs=inputs,
-                                    outputs=keras.layers.Dense(2, activation="softmax")(h))
+    model = GradientAccumulateModel(
+        accum_steps=1, inputs=inputs, outputs=keras.layers.Dense(2, activation="softmax")(h)
+    )
     model.compile(keras.optimizers.SGD(1e-2), loss="sparse_categorical_crossentropy")
     rng = np.random.default_rng(0)
     x = rng.integers(0, 255, size=(16, *shape)).astype("float32") / 255.0
@@ -283,8 +304,9 @@ def test_bn_convnd(dims, tmp_path):
     assert np.all(np.isfinite(moving)) and np.abs(moving).max() > 1e-3
     model.save(tmp_path / "bn.keras")
     loaded = keras.saving.load_model(tmp_path / "bn.keras")
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_swap_layer(tmp_path):
@@ -305,23 +327,25 @@ def test_swap_layer(tmp_path):
     assert swapped.layers[2].momentum == 0.999
 
     def shared_weights(m):  # AccumBN's own accumulators follow BatchNormalization's four
-        return np.concatenate([np.ravel(w) for layer in m.layers
-                               for w in layer.get_weights()[:4]])
+        return np.concatenate([np.ravel(w) for layer in m.layers for w in layer.get_weights()[:4]])
 
     np.testing.assert_array_equal(shared_weights(swapped), shared_weights(model))
     x, y = _digits(40)
     x = x.reshape(-1, 8, 8, 1)
     before = shared_weights(model)
     for m in (model, swapped):
-        m.compile(keras.optimizers.SGD(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.compile(
+            keras.optimizers.SGD(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         m.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)  # 4 steps
     assert _rel(shared_weights(swapped), shared_weights(model)) <= TOL
     assert np.abs(shared_weights(swapped) - before).max() > 1e-4  # it trained
     swapped.save(tmp_path / "swapped.keras")
     loaded = keras.saving.load_model(tmp_path / "swapped.keras")
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), swapped.predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), swapped.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_sparse_expected_results():
@@ -333,11 +357,15 @@ def test_sparse_expected_results():
     runs = []
     for accum in (1, 2):
         keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((64,), dtype="int32"),
-                                  keras.layers.Embedding(17, 4), keras.layers.Flatten(),
-                                  keras.layers.Dense(1, activation="sigmoid")])
-        opt = GradientAccumulateOptimizer(optimizer=keras.optimizers.SGD(0.5),
-                                          accum_steps=accum)
+        model = keras.Sequential(
+            [
+                keras.Input((64,), dtype="int32"),
+                keras.layers.Embedding(17, 4),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1, activation="sigmoid"),
+            ]
+        )
+        opt = GradientAccumulateOptimizer(optimizer=keras.optimizers.SGD(0.5), accum_steps=accum)
         model.compile(opt, loss="binary_crossentropy")
         model.fit(tokens, target, batch_size=50 // accum, epochs=2, shuffle=False, verbose=0)
         runs.append(_flat(model))
@@ -381,10 +409,12 @@ def test_readme_examples_of_0_5():
 
     layer = AccumBatchNormalization(accum_steps=4)
     with pytest.warns(DeprecationWarning, match="use_agc"):
-        agc_model = GradientAccumulateModel(accum_steps=4, agc=True, inputs=model.input,
-                                            outputs=model.output)
-    mp_model = GradientAccumulateModel(accum_steps=4, mixed_precision=True, inputs=model.input,
-                                       outputs=model.output)
+        agc_model = GradientAccumulateModel(
+            accum_steps=4, agc=True, inputs=model.input, outputs=model.output
+        )
+    mp_model = GradientAccumulateModel(
+        accum_steps=4, mixed_precision=True, inputs=model.input, outputs=model.output
+    )
     assert agc_model.use_agc and mp_model.mixed_precision and layer.accum_steps == 4
 
     x, y = _digits(80)

@@ -15,8 +15,9 @@ FEATURES, HIDDEN, OUTPUTS = 6, 16, 3
 def _rel_err(a, b) -> float:
     """max|a − b| / max|b| over tensors (or lists of tensors), computed in fp64."""
     if isinstance(a, (list, tuple)):
-        num = max((x.detach().double() - y.detach().double()).abs().max().item()
-                  for x, y in zip(a, b))
+        num = max(
+            (x.detach().double() - y.detach().double()).abs().max().item() for x, y in zip(a, b)
+        )
         den = max(y.detach().double().abs().max().item() for y in b)
     else:
         num = (a.detach().double() - b.detach().double()).abs().max().item()

@@ -25,8 +25,11 @@ def _params(dtype=torch.float32, seed=0):
     for i, shape in enumerate(SHAPES):
         w = torch.randn(shape, generator=g)
         # Gradients of very different sizes per unit: some units clipped, some not.
-        scale = torch.logspace(-3, 1, shape[0]).view(-1, *([1] * (len(shape) - 1))) \
-            if shape else torch.tensor(10.0 if i % 2 else 1e-3)
+        scale = (
+            torch.logspace(-3, 1, shape[0]).view(-1, *([1] * (len(shape) - 1)))
+            if shape
+            else torch.tensor(10.0 if i % 2 else 1e-3)
+        )
         grad = torch.randn(shape, generator=g) * scale
         if len(shape) >= 2:
             w[0] = 0.0  # weight norm below ε: the floor applies
@@ -46,8 +49,9 @@ def test_unitwise_norm_matches_torch():
 
 
 def test_unitwise_norm_example_and_bad_input():
-    assert torch.equal(unitwise_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]])),
-                       torch.tensor([5.0, 1.0]))
+    assert torch.equal(
+        unitwise_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]])), torch.tensor([5.0, 1.0])
+    )
     assert torch.equal(unitwise_norm(torch.tensor([3.0, 4.0])), torch.tensor([5.0]))
     with pytest.raises(TypeError, match="x"):
         unitwise_norm([1.0, 2.0])

@@ -204,8 +204,11 @@ class _Parallel(nn.ModuleList):
 
 
 def test_flush_batchnorm_applies_a_partial_cycle(rel_err):
-    model = nn.Sequential(_Parallel([AccumBatchNorm1d(C, accum_steps=4),
-                                     AccumBatchNorm1d(C, accum_steps=4, momentum=None)]))
+    model = nn.Sequential(
+        _Parallel(
+            [AccumBatchNorm1d(C, accum_steps=4), AccumBatchNorm1d(C, accum_steps=4, momentum=None)]
+        )
+    )
     ref = _Parallel([nn.BatchNorm1d(C), nn.BatchNorm1d(C, momentum=None)]).double()
     layers = list(model[0])
     xs = [_inputs(n, (), seed=20 + n) for n in (5, 7)]

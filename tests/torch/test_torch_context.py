@@ -35,9 +35,7 @@ class _FakeDDP(nn.Module):
         return self.module(x)
 
 
-def test_accumulate_yields_the_boundary_and_enters_no_sync_off_boundary(
-    make_pair, make_data, mse
-):
+def test_accumulate_yields_the_boundary_and_enters_no_sync_off_boundary(make_pair, make_data, mse):
     net, _ = make_pair()
     model = _FakeDDP(net)
     k = 3

@@ -118,8 +118,9 @@ def test_growing_loss_scale_overflowing_the_accumulator_is_skipped_silently():
     model = nn.Linear(3, 2)
     before = _snapshot(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**124, growth_interval=10**6)
-    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 4,
-                                      grad_scaler=scaler)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), 4, grad_scaler=scaler
+    )
     x = torch.full((8, 3), 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the scaler's signal: no warning
@@ -182,8 +183,9 @@ def test_nonfinite_raise_writes_nothing_and_drops_the_cycle():
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     before = _snapshot(model)
-    opt = GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 2,
-                                      on_nonfinite="raise")
+    opt = GradientAccumulateOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1), 2, on_nonfinite="raise"
+    )
     with pytest.raises(NonFiniteGradientError):
         _nan_cycle(model, opt, 2)
     assert _same(_snapshot(model), before)
@@ -199,14 +201,17 @@ def test_nonfinite_raise_writes_nothing_and_drops_the_cycle():
         opt.zero_grad()
     (sum(ref(x).square().mean() for x in xs) / 2).backward()
     ref_opt.step()
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-6)
-               for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(
+        torch.allclose(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(model.parameters(), ref.parameters())
+    )
 
 
 def test_nonfinite_apply_applies_it():
     model = nn.Linear(3, 2)
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2,
-                                      on_nonfinite="apply")
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), 2, on_nonfinite="apply"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _nan_cycle(model, opt, 2)
@@ -218,8 +223,9 @@ def test_nonfinite_apply_applies_it():
 def test_on_nonfinite_is_validated(bad, exc):
     model = nn.Linear(3, 2)
     with pytest.raises(exc, match="on_nonfinite"):
-        GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2,
-                                    on_nonfinite=bad)
+        GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), 2, on_nonfinite=bad
+        )
 
 
 # ---- 3. atomic steps ----
@@ -254,21 +260,29 @@ def _train(model, opt, batches, retry_interrupted=False):
 
 def _batches(n, seed=3, sizes=(3, 5, 4, 2)):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(sizes[i % len(sizes)], 6, generator=g),
-             torch.randn(sizes[i % len(sizes)], 2, generator=g)) for i in range(n)]
+    return [
+        (
+            torch.randn(sizes[i % len(sizes)], 6, generator=g),
+            torch.randn(sizes[i % len(sizes)], 2, generator=g),
+        )
+        for i in range(n)
+    ]
 
 
-@pytest.mark.parametrize("where, at_call", [("accumulate", 2), ("accumulate", 3),
-                                            ("accumulate", 4), ("apply", 1)])
+@pytest.mark.parametrize(
+    "where, at_call", [("accumulate", 2), ("accumulate", 3), ("accumulate", 4), ("apply", 1)]
+)
 def test_ctrl_c_during_step_leaves_counters_and_buffers_together(monkeypatch, where, at_call):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     ref = copy.deepcopy(model)
     batches = _batches(8)
-    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), 4,
-                                      max_grad_norm=0.5)
-    ref_opt = GradientAccumulateOptimizer(torch.optim.AdamW(ref.parameters(), lr=0.05), 4,
-                                          max_grad_norm=0.5)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.05), 4, max_grad_norm=0.5
+    )
+    ref_opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(ref.parameters(), lr=0.05), 4, max_grad_norm=0.5
+    )
     calls = _interrupt_after(monkeypatch, where, at_call)
     interrupted = []
     for i, (x, y) in enumerate(batches):
@@ -295,8 +309,7 @@ def test_failed_step_counts_the_micro_batch_once_on_retry():
     torch.manual_seed(0)
     model = nn.Linear(6, 2)
     ref = copy.deepcopy(model)
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2,
-                                      model=model)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
     ref_opt = GradientAccumulateOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), 2)
     batches = _batches(4)
     for j, (x, y) in enumerate(batches):
@@ -365,8 +378,10 @@ def test_parameter_converted_after_construction_refused_before_the_boundary_writ
         loss(ref, x).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-6)
-               for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(
+        torch.allclose(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(model.parameters(), ref.parameters())
+    )
 
 
 def test_parameters_sharing_storage_refused_at_construction_by_name():
@@ -378,17 +393,21 @@ def test_parameters_sharing_storage_refused_at_construction_by_name():
         GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
 
 
-@pytest.mark.parametrize("kw, name", [
-    ({"clip_factor": float("inf")}, "clip_factor"),
-    ({"clip_factor": float("nan")}, "clip_factor"),
-    ({"eps": float("inf")}, "eps"),
-    ({"eps": -1.0}, "eps"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"clip_factor": float("inf")}, "clip_factor"),
+        ({"clip_factor": float("nan")}, "clip_factor"),
+        ({"eps": float("inf")}, "eps"),
+        ({"eps": -1.0}, "eps"),
+    ],
+)
 def test_agc_settings_refused_at_construction(kw, name):
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=rf"^{name} must be finite"):
-        GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2,
-                                    use_agc=True, **kw)
+        GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), 2, use_agc=True, **kw
+        )
 
 
 def test_model_argument_is_validated():
@@ -506,8 +525,13 @@ class _Net(nn.Module):
 def _loader(n, seed=11):
     g = torch.Generator().manual_seed(seed)
     sizes = [5, 3, 7, 4, 6]
-    return [(torch.randn(sizes[i % 5], 6, generator=g),
-             torch.randint(0, 4, (sizes[i % 5],), generator=g)) for i in range(n)]
+    return [
+        (
+            torch.randn(sizes[i % 5], 6, generator=g),
+            torch.randint(0, 4, (sizes[i % 5],), generator=g),
+        )
+        for i in range(n)
+    ]
 
 
 def _reference(model, loader, k, make_opt, clip=None, sched_factory=None):
@@ -538,7 +562,8 @@ def _assert_close(model, ref, tol):
             continue
         if a.is_floating_point():
             err = (a.double() - b.double()).abs().max().item() / max(
-                b.double().abs().max().item(), 1e-12)
+                b.double().abs().max().item(), 1e-12
+            )
             assert err <= tol, (n, err)
         else:
             assert torch.equal(a, b), n
@@ -550,8 +575,9 @@ def test_optimizer_flush_flushes_batchnorm_short_last_cycle(give_model):
     base = _Net()
     model = convert_batchnorm(copy.deepcopy(base), accum_steps=3)
     loader = _loader(3 * 3 + 2)  # a short last cycle of 2 micro-batches
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3,
-                                      model=model if give_model else None)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), 3, model=model if give_model else None
+    )
     for x, y in loader:
         F.cross_entropy(model(x), y).backward()
         opt.step(weight=len(y))
@@ -564,8 +590,7 @@ def test_optimizer_flush_flushes_batchnorm_short_last_cycle(give_model):
 
 def test_optimizer_flush_finds_non_affine_batchnorm_through_model():
     model = nn.Sequential(nn.Linear(3, 4), AccumBatchNorm1d(4, affine=False, accum_steps=2))
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2,
-                                      model=model)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
     opt.flush()
@@ -590,8 +615,11 @@ def test_readme_pytorch_loop_is_exact_as_written():
     model, opt = namespace["model"], namespace["opt"]
     assert opt.accumulation_state.updates == 4
     ref = _reference(
-        base, loader, 8,
-        lambda ps: torch.optim.AdamW(ps, lr=1e-3), clip=1.0,
+        base,
+        loader,
+        8,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        clip=1.0,
         sched_factory=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=1000),
     )
     assert int(model.bn.num_batches_tracked) == 4

@@ -26,7 +26,9 @@ CONFIGS = {
         True,
     ),
     "sgd_nesterov": (
-        torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}, True
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+        True,
     ),
     "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 1e-2}, True),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, True),
@@ -189,8 +191,9 @@ def test_global_norm_clipping_of_the_averaged_gradient(name, make_pair, make_dat
     data = make_data(32 * steps)
     model, ref_model = make_pair()
     # Clip at half the first big batch's gradient norm: clipping is active.
-    probe = torch.autograd.grad(mse(ref_model, data[0][:32], data[1][:32]),
-                                list(ref_model.parameters()))
+    probe = torch.autograd.grad(
+        mse(ref_model, data[0][:32], data[1][:32]), list(ref_model.parameters())
+    )
     max_norm = 0.5 * float(torch.sqrt(sum(g.square().sum() for g in probe)))
 
     inner = cls(model.parameters(), **kw)
@@ -209,7 +212,12 @@ def test_global_norm_clipping_of_the_averaged_gradient(name, make_pair, make_dat
     ref_opt = cls(ref_model.parameters(), **kw)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
     ref_norms = _train_ref(
-        ref_model, ref_opt, cycles, data, mse, sched=ref_sched,
+        ref_model,
+        ref_opt,
+        cycles,
+        data,
+        mse,
+        sched=ref_sched,
         clip=lambda ps: float(torch.nn.utils.clip_grad_norm_(ps, max_norm)),
     )
     assert sum(n > max_norm for n in ref_norms) >= 5  # clipping happened on several steps
@@ -255,20 +263,33 @@ def test_agc_on_the_averaged_gradient(
         else:
             arg = [model.conv]
         inner = cls(model.parameters(), **kw)
-        opt = GradientAccumulateOptimizer(inner, k, use_agc=True, clip_factor=lam, eps=1e-3,
-                                          agc_exclude=arg)
+        opt = GradientAccumulateOptimizer(
+            inner, k, use_agc=True, clip_factor=lam, eps=1e-3, agc_exclude=arg
+        )
         _train_accum(model, opt, cycles, data, mse)
 
         # fp32 big batch clipped with the package's adaptive_clip_grad ...
         opt32 = cls(ref32.parameters(), **kw)
-        _train_ref(ref32, opt32, cycles, data, mse,
-                   clip=lambda ps, m=ref32, e=exclude: adaptive_clip_grad(
-                       _agc_params(m, e), clip_factor=lam, eps=1e-3))
+        _train_ref(
+            ref32,
+            opt32,
+            cycles,
+            data,
+            mse,
+            clip=lambda ps, m=ref32, e=exclude: adaptive_clip_grad(
+                _agc_params(m, e), clip_factor=lam, eps=1e-3
+            ),
+        )
         # ... and fp64 big batch clipped by an independent implementation of the rule.
         opt64 = cls(ref64.parameters(), **kw)
-        _train_ref(ref64, opt64, cycles, data, mse,
-                   clip=lambda ps, m=ref64, e=exclude: agc_reference(
-                       _agc_params(m, e), lam, 1e-3))
+        _train_ref(
+            ref64,
+            opt64,
+            cycles,
+            data,
+            mse,
+            clip=lambda ps, m=ref64, e=exclude: agc_reference(_agc_params(m, e), lam, 1e-3),
+        )
         got = list(model.parameters())
         assert rel_err(got, list(ref32.parameters())) <= TOL
         assert rel_err(got, list(ref64.parameters())) <= TOL
@@ -281,8 +302,9 @@ def test_agc_on_the_averaged_gradient(
     assert rel_err(finals["conv"], finals["none"]) > 1e-4
     # Unclipped training differs from AGC training: clipping was active.
     plain, _ = make_pair(cls=conv_cls)
-    _train_accum(plain, GradientAccumulateOptimizer(cls(plain.parameters(), **kw), k),
-                 cycles, data, mse)
+    _train_accum(
+        plain, GradientAccumulateOptimizer(cls(plain.parameters(), **kw), k), cycles, data, mse
+    )
     assert rel_err(list(plain.parameters()), finals["none"]) > 1e-4
 
 
@@ -290,7 +312,7 @@ def test_agc_on_the_averaged_gradient(
 def test_weighted_uneven_micro_batches(name, make_pair, make_data, mse, rel_err):
     cls, kw, _ = CONFIGS[name]
     base = [5, 11, 3, 13]
-    cycles = [base[c % 4:] + base[:c % 4] for c in range(8)]
+    cycles = [base[c % 4 :] + base[: c % 4] for c in range(8)]
     data = make_data(32 * 8)
     model, ref_model = make_pair()
     inner = cls(model.parameters(), **kw)
@@ -303,15 +325,26 @@ def test_weighted_uneven_micro_batches(name, make_pair, make_data, mse, rel_err)
 
     # Unweighted steps on the same uneven micro-batches do not give the big batch.
     unweighted, _ = make_pair()
-    _train_accum(unweighted, GradientAccumulateOptimizer(cls(unweighted.parameters(), **kw), 4),
-                 cycles, data, mse)
+    _train_accum(
+        unweighted,
+        GradientAccumulateOptimizer(cls(unweighted.parameters(), **kw), 4),
+        cycles,
+        data,
+        mse,
+    )
     assert rel_err(list(unweighted.parameters()), list(ref_model.parameters())) > 1e-4
 
 
 @pytest.mark.parametrize(
     ("reduction", "weighted"),
-    [("mean", True), ("mean", False), ("sum", False), ("sum", True), ("running_mean", True),
-     ("running_mean", False)],
+    [
+        ("mean", True),
+        ("mean", False),
+        ("sum", False),
+        ("sum", True),
+        ("running_mean", True),
+        ("running_mean", False),
+    ],
 )
 def test_reductions_follow_their_definitions(
     reduction, weighted, make_pair, make_data, mse, rel_err
@@ -320,8 +353,9 @@ def test_reductions_follow_their_definitions(
     data = make_data(64)
     x, y = data
     model, ref_model = make_pair()
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=lr), 4,
-                                      reduction=reduction)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr), 4, reduction=reduction
+    )
     params = list(model.parameters())
     for cycle in _slices([sizes, sizes[::-1]]):
         # fp64 gradients of each micro-batch at this cycle's starting weights.
@@ -436,8 +470,13 @@ class _TwoHeads(nn.Module):
 
 @pytest.mark.parametrize(
     ("name", "reduction"),
-    [("adam", "mean"), ("rmsprop", "mean"), ("sgd_momentum", "mean"), ("adam", "running_mean"),
-     ("rmsprop", "running_mean")],
+    [
+        ("adam", "mean"),
+        ("rmsprop", "mean"),
+        ("sgd_momentum", "mean"),
+        ("adam", "running_mean"),
+        ("rmsprop", "running_mean"),
+    ],
 )
 def test_parameters_missing_from_some_micro_batches(name, reduction, make_data, rel_err):
     """Missing gradients count as zero within a cycle; a cycle without any skips the parameter."""
@@ -447,8 +486,12 @@ def test_parameters_missing_from_some_micro_batches(name, reduction, make_data, 
     ref_model = _TwoHeads().double()
     ref_model.load_state_dict(model.state_dict())
     sizes = [5, 11, 3, 13]
-    use = [[False, True, True, False], [False, False, False, False], [True, False, False, True],
-           [False, False, True, True]]
+    use = [
+        [False, True, True, False],
+        [False, False, False, False],
+        [True, False, False, True],
+        [False, False, True, True],
+    ]
     data = make_data(32 * len(use))
     x, y = data
 
@@ -462,8 +505,9 @@ def test_parameters_missing_from_some_micro_batches(name, reduction, make_data, 
     for cycle, flags in zip(_slices([sizes] * len(use)), use):
         ref_opt.zero_grad()
         total = sum(sl.stop - sl.start for sl in cycle)
-        big = sum((sl.stop - sl.start) / total * loss(ref_model, sl, u)
-                  for sl, u in zip(cycle, flags))
+        big = sum(
+            (sl.stop - sl.start) / total * loss(ref_model, sl, u) for sl, u in zip(cycle, flags)
+        )
         big.backward()
         ref_opt.step()
         for sl, u in zip(cycle, flags):

@@ -29,10 +29,12 @@ class _BNNet(nn.Module):
 
 
 CONFIGS = {
-    "adamw_clip": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1},
-                   {"max_grad_norm": 0.3}),
-    "sgd_running_mean": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9},
-                         {"reduction": "running_mean"}),
+    "adamw_clip": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, {"max_grad_norm": 0.3}),
+    "sgd_running_mean": (
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9},
+        {"reduction": "running_mean"},
+    ),
     "rmsprop_agc": (torch.optim.RMSprop, {"lr": 1e-3}, {"use_agc": True, "clip_factor": 0.02}),
 }
 
@@ -87,8 +89,10 @@ def test_mid_cycle_save_and_resume(name, tmp_path, make_data, mse):
     lost.load_state_dict(ckpt["model"])
     opt3.optimizer.load_state_dict(ckpt["opt"]["optimizer"])
     _micro_steps(lost, opt3, data, mse, range(6, len(SIZES)))
-    assert max((p - q).abs().max().item()
-               for p, q in zip(lost.parameters(), model.parameters())) > 1e-5
+    assert (
+        max((p - q).abs().max().item() for p, q in zip(lost.parameters(), model.parameters()))
+        > 1e-5
+    )
 
 
 # ---- bad input ----
@@ -97,8 +101,9 @@ def test_mid_cycle_save_and_resume(name, tmp_path, make_data, mse):
 def _snapshot(model, opt=None, inner=None):
     snap = {
         "params": [p.detach().clone() for p in model.parameters()],
-        "grads": [None if p.grad is None else p.grad.clone().to_dense()
-                  for p in model.parameters()],
+        "grads": [
+            None if p.grad is None else p.grad.clone().to_dense() for p in model.parameters()
+        ],
     }
     if opt is not None:
         snap["accs"] = [a.clone() for a in opt.accumulators()]
@@ -198,8 +203,9 @@ def test_constructor_rejects_bad_optimizers(make_pair, make_data, mse):
 def _half_cycle(make_pair, make_data, mse):
     """A wrapper one micro-step into a cycle, with the next micro-batch's .grad in place."""
     model, _ = make_pair()
-    opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), K,
-                                      max_grad_norm=0.5)
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), K, max_grad_norm=0.5
+    )
     x, y = make_data(8 * (K + 1))
     mse(model, x[:8], y[:8]).backward()
     opt.step(weight=8)
@@ -212,13 +218,13 @@ def _finish_and_compare(model, opt, data, mse, make_pair, make_data):
     x, y = data
     opt.step(weight=8)
     for i in range(2, K):
-        mse(model, x[8 * i: 8 * i + 8], y[8 * i: 8 * i + 8]).backward()
+        mse(model, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]).backward()
         opt.step(weight=8)
     assert opt.update_applied
     clean, clean_opt, _ = _half_cycle(make_pair, make_data, mse)
     clean_opt.step(weight=8)
     for i in range(2, K):
-        mse(clean, x[8 * i: 8 * i + 8], y[8 * i: 8 * i + 8]).backward()
+        mse(clean, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]).backward()
         clean_opt.step(weight=8)
     for p, q in zip(model.parameters(), clean.parameters()):
         assert torch.equal(p, q)
@@ -226,8 +232,14 @@ def _finish_and_compare(model, opt, data, mse, make_pair, make_data):
 
 @pytest.mark.parametrize(
     ("weight", "exc"),
-    [(float("nan"), ValueError), (-1.0, ValueError), (float("inf"), ValueError),
-     ("a", TypeError), (True, TypeError), (None, TypeError)],
+    [
+        (float("nan"), ValueError),
+        (-1.0, ValueError),
+        (float("inf"), ValueError),
+        ("a", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
 )
 def test_step_rejects_bad_weights(weight, exc, make_pair, make_data, mse):
     model, opt, data = _half_cycle(make_pair, make_data, mse)
@@ -253,8 +265,9 @@ def test_load_state_dict_rejects_mismatches(make_pair, make_data, mse):
     other_model, _ = make_pair(seed=4)
     cases = [
         GradientAccumulateOptimizer(torch.optim.AdamW(other_model.parameters()), K + 1),
-        GradientAccumulateOptimizer(torch.optim.AdamW(other_model.parameters()), K,
-                                    reduction="sum"),
+        GradientAccumulateOptimizer(
+            torch.optim.AdamW(other_model.parameters()), K, reduction="sum"
+        ),
         GradientAccumulateOptimizer(torch.optim.AdamW(nn.Linear(6, 3).parameters()), K),
     ]
     before = _snapshot(model, opt)

@@ -49,8 +49,9 @@ def reporting_errors(rank: int, out_dir: str) -> Iterator[None]:
         raise
 
 
-def spawn(target: Callable[..., None], world: int, out_dir: Path, *args: Any,
-          timeout_s: float = 150) -> list[mp.Process]:
+def spawn(
+    target: Callable[..., None], world: int, out_dir: Path, *args: Any, timeout_s: float = 150
+) -> list[mp.Process]:
     """Start ``target(rank, port, out_dir, *args)`` on ranks 0..world-1, wait for each up to
     ``timeout_s`` and kill any that is still alive; returns the finished processes."""
     ctx = mp.get_context("spawn")
@@ -67,8 +68,9 @@ def spawn(target: Callable[..., None], world: int, out_dir: Path, *args: Any,
     return procs
 
 
-def run_ranks(target: Callable[..., None], world: int, out_dir: Path, *args: Any,
-              timeout_s: float = 150) -> list[Any]:
+def run_ranks(
+    target: Callable[..., None], world: int, out_dir: Path, *args: Any, timeout_s: float = 150
+) -> list[Any]:
     """:func:`spawn`, then assert that no rank failed or aborted and load every ``rank{r}.pt``."""
     procs = spawn(target, world, out_dir, *args, timeout_s=timeout_s)
     errors = [f.read_text() for f in sorted(out_dir.glob("*.err"))]

@@ -106,8 +106,11 @@ def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
         if cfg["bn"]:
             model.bn.accum_steps = cfg["k"]
         opt = GradientAccumulateOptimizer(
-            _make_opt(cfg, model.parameters()), cfg["k"], max_grad_norm=cfg["clip"],
-            overlap_reduce=cfg["overlap"], reduce_timeout=60,
+            _make_opt(cfg, model.parameters()),
+            cfg["k"],
+            max_grad_norm=cfg["clip"],
+            overlap_reduce=cfg["overlap"],
+            reduce_timeout=60,
         )
         net = model
         ddp_rounds = {"n": 0}

@@ -82,8 +82,10 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
         result = {}
         try:
             opt = GradientAccumulateOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), k,
-                overlap_reduce=scenario == "overlap_retry", bucket_cap_mb=1e-5,
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                k,
+                overlap_reduce=scenario == "overlap_retry",
+                bucket_cap_mb=1e-5,
                 reduce_timeout=30,
             )
             x, y = _data()
@@ -160,16 +162,22 @@ def _reference(cycles, bn=False) -> dict:
 
 
 def _rel(a: dict, b: dict) -> float:
-    num = max((a[n].double() - b[n].double()).abs().max().item() for n in b
-              if b[n].is_floating_point() and not n.startswith("bn.accum"))
+    num = max(
+        (a[n].double() - b[n].double()).abs().max().item()
+        for n in b
+        if b[n].is_floating_point() and not n.startswith("bn.accum")
+    )
     den = max(b[n].double().abs().max().item() for n in b if b[n].is_floating_point())
     return num / den
 
 
-@pytest.mark.parametrize("scenario, match", [
-    ("accum_steps", "disagree on accum_steps"),
-    ("sizes", "disagree on accumulator elements"),
-])
+@pytest.mark.parametrize(
+    "scenario, match",
+    [
+        ("accum_steps", "disagree on accum_steps"),
+        ("sizes", "disagree on accumulator elements"),
+    ],
+)
 def test_rank_disagreement_at_construction_is_one_clear_error(scenario, match, tmp_path):
     out = _run(scenario, tmp_path)
     for r in out:
@@ -177,10 +185,13 @@ def test_rank_disagreement_at_construction_is_one_clear_error(scenario, match, t
     assert out[0]["error"].split("; this rank")[0] == out[1]["error"].split("; this rank")[0]
 
 
-@pytest.mark.parametrize("scenario, match", [
-    ("flush_vs_step", "disagreed on flush"),
-    ("changed_accum_steps", "disagreed on accum_steps"),
-])
+@pytest.mark.parametrize(
+    "scenario, match",
+    [
+        ("flush_vs_step", "disagreed on flush"),
+        ("changed_accum_steps", "disagreed on accum_steps"),
+    ],
+)
 def test_rank_disagreement_in_a_cycle_is_one_clear_error(scenario, match, tmp_path):
     out = _run(scenario, tmp_path)
     for r in out:

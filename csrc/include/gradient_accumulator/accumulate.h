@@ -26,8 +26,8 @@ typedef struct ga_accumulate_options {
 
 /** \brief What ga_accumulate observed in the same pass. */
 typedef struct ga_accumulate_result {
-  int nonfinite;     /**< non-zero if any gradient element was NaN or ±Inf */
-  double sumsq;      /**< Σ acc² after the update (when requested), deterministic order */
+  int nonfinite; /**< non-zero if any gradient element was NaN or ±Inf */
+  double sumsq;  /**< Σ acc² after the update (when requested), deterministic order */
 } ga_accumulate_result;
 
 /**
@@ -45,7 +45,7 @@ GA_API ga_status ga_accumulate(ga_tensor_list accumulators, ga_tensor_list grads
                                ga_accumulate_result* result);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_ACCUMULATE_H_ */
+#endif /* GRADIENT_ACCUMULATOR_ACCUMULATE_H_ */

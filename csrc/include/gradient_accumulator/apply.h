@@ -33,21 +33,22 @@ typedef enum ga_clip_mode {
 
 /** \brief Options of ga_apply. Zero-initialise, then set what is used. */
 typedef struct ga_apply_options {
-  double grad_scale;     /**< gradient = accumulator · grad_scale (1/total weight · 1/loss scale) */
+  double grad_scale; /**< gradient = accumulator · grad_scale (1/total weight · 1/loss scale) */
   ga_clip_mode clip;
-  double max_norm;       /**< kGaClipGlobalNorm: > 0 */
+  double max_norm;        /**< kGaClipGlobalNorm: > 0 */
   const float* clip_coef; /**< kGaClipGlobalNorm: precomputed coefficient in memory (overrides
                               max_norm; never read on the host for CUDA tensors) */
-  double clip_factor;    /**< kGaClipAgc: λ > 0 */
-  double agc_eps;        /**< kGaClipAgc: ε ≥ 0 */
-  const ga_units* units; /**< kGaClipAgc: one entry per tensor, or NULL for "every tensor is
-                              kGaUnitsLeading with shape[0] units" — then `agc_num_units` holds them */
-  int skip_nonfinite;    /**< check the gradient first; if any element is NaN/Inf, update nothing */
-  int reset;             /**< zero the accumulators in the same pass (also when skipped) */
+  double clip_factor;     /**< kGaClipAgc: λ > 0 */
+  double agc_eps;         /**< kGaClipAgc: ε ≥ 0 */
+  const ga_units*
+      units;          /**< kGaClipAgc: one entry per tensor, or NULL for "every tensor is
+                           kGaUnitsLeading with shape[0] units" — then `agc_num_units` holds them */
+  int skip_nonfinite; /**< check the gradient first; if any element is NaN/Inf, update nothing */
+  int reset;          /**< zero the accumulators in the same pass (also when skipped) */
   ga_optimizer optimizer;
   double lr;
   double weight_decay;
-  int maximize;          /**< descend on −gradient (torch's maximize=True) */
+  int maximize; /**< descend on −gradient (torch's maximize=True) */
   /* SGD */
   double momentum;
   double dampening;
@@ -57,7 +58,7 @@ typedef struct ga_apply_options {
   double beta1;
   double beta2;
   double adam_eps;
-  int64_t step;          /**< optimizer step this update makes, ≥ 1 (bias correction) */
+  int64_t step; /**< optimizer step this update makes, ≥ 1 (bias correction) */
 } ga_apply_options;
 
 /** \brief Tensors of ga_apply; lists that an optimizer does not use may be empty. */
@@ -72,9 +73,9 @@ typedef struct ga_apply_tensors {
 
 /** \brief What ga_apply did. */
 typedef struct ga_apply_result {
-  int skipped;       /**< non-zero if a non-finite gradient stopped the update */
-  double grad_norm;  /**< ‖scaled gradient‖₂ before clipping, when it was computed; else −1 */
-  double clip_coef;  /**< global-norm coefficient used (1 when not clipped), −1 if not computed */
+  int skipped;      /**< non-zero if a non-finite gradient stopped the update */
+  double grad_norm; /**< ‖scaled gradient‖₂ before clipping, when it was computed; else −1 */
+  double clip_coef; /**< global-norm coefficient used (1 when not clipped), −1 if not computed */
 } ga_apply_result;
 
 /**
@@ -87,7 +88,7 @@ GA_API ga_status ga_apply(const ga_apply_tensors* tensors, const ga_apply_option
                           ga_apply_result* result);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_APPLY_H_ */
+#endif /* GRADIENT_ACCUMULATOR_APPLY_H_ */

@@ -37,12 +37,11 @@ GA_API ga_status ga_bn_merge(double* count_a, ga_tensor mean_a, ga_tensor m2_a, 
  *
  * PyTorch's `momentum` is `new_weight`; Keras's `momentum` is 1 − `new_weight`.
  */
-GA_API ga_status ga_bn_update_running(ga_tensor running_mean, ga_tensor running_var,
-                                      ga_tensor mean, ga_tensor m2, double count,
-                                      double new_weight, int unbiased);
+GA_API ga_status ga_bn_update_running(ga_tensor running_mean, ga_tensor running_var, ga_tensor mean,
+                                      ga_tensor m2, double count, double new_weight, int unbiased);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_BATCHNORM_H_ */
+#endif /* GRADIENT_ACCUMULATOR_BATCHNORM_H_ */

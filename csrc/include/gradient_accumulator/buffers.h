@@ -43,7 +43,7 @@ GA_API void ga_arena_free(void* data, ga_device_type device_type, int32_t device
 GA_API ga_status ga_zero(ga_tensor_list tensors);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_BUFFERS_H_ */
+#endif /* GRADIENT_ACCUMULATOR_BUFFERS_H_ */

@@ -62,7 +62,8 @@ typedef struct ga_tensor_list {
 /** \brief Message of the last failed call on this thread ("" if none). */
 GA_API const char* ga_last_error(void);
 
-/** \brief Name of the argument the last failed call on this thread complained about ("" if none). */
+/** \brief Name of the argument the last failed call on this thread complained about ("" if none).
+ */
 GA_API const char* ga_last_error_argument(void);
 
 /** \brief Size in bytes of one element of `dtype` (0 for an unknown value). */
@@ -81,7 +82,7 @@ GA_API int ga_cpu_num_threads(void);
 GA_API int ga_has_cuda(void);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_COMMON_H_ */
+#endif /* GRADIENT_ACCUMULATOR_COMMON_H_ */

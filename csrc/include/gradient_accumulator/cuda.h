@@ -69,8 +69,8 @@ GA_API ga_status ga_cuda_unpack(ga_tensor flat, ga_tensor_list dst, double scale
 GA_API ga_status ga_cuda_zero(ga_tensor_list tensors, void* stream);
 
 /** \brief ga_bn_merge with the statistics in CUDA memory; the counts stay on the host. */
-GA_API ga_status ga_cuda_bn_merge(double* count_a, ga_tensor mean_a, ga_tensor m2_a,
-                                  double count_b, ga_tensor mean_b, ga_tensor m2_b, void* stream);
+GA_API ga_status ga_cuda_bn_merge(double* count_a, ga_tensor mean_a, ga_tensor m2_a, double count_b,
+                                  ga_tensor mean_b, ga_tensor m2_b, void* stream);
 
 /** \brief ga_bn_update_running with every tensor in CUDA memory. */
 GA_API ga_status ga_cuda_bn_update_running(ga_tensor running_mean, ga_tensor running_var,
@@ -81,7 +81,7 @@ GA_API ga_status ga_cuda_bn_update_running(ga_tensor running_mean, ga_tensor run
 GA_API int ga_cuda_device_count(void);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_CUDA_H_ */
+#endif /* GRADIENT_ACCUMULATOR_CUDA_H_ */

@@ -59,7 +59,7 @@ GA_API ga_status ga_adaptive_clip(ga_tensor_list params, ga_tensor_list grads,
                                   const ga_units* units, double clip_factor, double eps);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_NORMS_H_ */
+#endif /* GRADIENT_ACCUMULATOR_NORMS_H_ */

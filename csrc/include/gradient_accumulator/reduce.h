@@ -20,7 +20,7 @@ GA_API ga_status ga_pack(ga_tensor_list src, ga_tensor flat, double scale);
 GA_API ga_status ga_unpack(ga_tensor flat, ga_tensor_list dst, double scale);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* GRADIENT_ACCUMULATOR_REDUCE_H_ */
+#endif /* GRADIENT_ACCUMULATOR_REDUCE_H_ */
