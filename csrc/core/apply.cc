@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "formulas.h"
 #include "internal.h"
 
 using namespace ga::detail;
@@ -198,7 +199,7 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
     }
     if (o.clip == kGaClipGlobalNorm) {
       coef = o.clip_coef ? static_cast<double>(*o.clip_coef)
-                         : std::min(1.0, o.max_norm / (grad_norm + 1e-6));
+                         : formulas::global_clip_coef(grad_norm, o.max_norm);
     }
     std::vector<float> unit_scale;
     std::vector<double> unit_scale64;
@@ -225,11 +226,9 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
         cpu_kernels().unit_sumsq(UnitSumsqArgs{t.params.tensors[i], o.units[i], ps.data()});
         cpu_kernels().unit_sumsq(UnitSumsqArgs{t.accumulators.tensors[i], o.units[i], gs.data()});
         for (int64_t u = 0; u < nu; ++u) {
-          const double pn = std::max(std::sqrt(ps[u]), o.agc_eps);
           const double gn = std::sqrt(gs[u]) * std::fabs(scale);
           if (o.skip_nonfinite && !std::isfinite(gn)) skip = true;
-          const double max_norm = pn * o.clip_factor;
-          const double c = gn > max_norm ? max_norm / std::max(gn, 1e-6) : 1.0;
+          const double c = formulas::agc_unit_coef(std::sqrt(ps[u]), gn, o.clip_factor, o.agc_eps);
           unit_scale[unit_offset[i] + u] = static_cast<float>(scale * c);
           unit_scale64[unit_offset[i] + u] = scale * c;
         }

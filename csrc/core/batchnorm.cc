@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "formulas.h"
 #include "internal.h"
 
 using namespace ga::detail;
@@ -122,11 +123,10 @@ extern "C" ga_status ga_bn_merge(double* count_a, ga_tensor mean_a, ga_tensor m2
     const double na = *count_a, nb = count_b, nt = na + nb;
     if (nb == 0) return;
     for (int64_t c = 0; c < n; ++c) {
-      const double ma = get(mean_a, c), mb = get(mean_b, c);
-      const double delta = mb - ma;
-      // Chan et al.: mean = ma + δ·nb/n, M2 = M2a + M2b + δ²·na·nb/n.
-      put(mean_a, c, ma + delta * (nb / nt));
-      put(m2_a, c, get(m2_a, c) + get(m2_b, c) + delta * delta * (na * nb / nt));
+      const ga::formulas::Moments m = ga::formulas::chan_merge(na, get(mean_a, c), get(m2_a, c), nb,
+                                                               get(mean_b, c), get(m2_b, c));
+      put(mean_a, c, m.mean);
+      put(m2_a, c, m.m2);
     }
     *count_a = nt;
   });
@@ -141,8 +141,9 @@ extern "C" ga_status ga_bn_update_running(ga_tensor running_mean, ga_tensor runn
     const double div = unbiased ? count - 1 : count;
     for (int64_t c = 0; c < n; ++c) {
       const double var = get(m2, c) / div;
-      put(running_mean, c, (1 - new_weight) * get(running_mean, c) + new_weight * get(mean, c));
-      put(running_var, c, (1 - new_weight) * get(running_var, c) + new_weight * var);
+      put(running_mean, c,
+          ga::formulas::running_update(get(running_mean, c), get(mean, c), new_weight));
+      put(running_var, c, ga::formulas::running_update(get(running_var, c), var, new_weight));
     }
   });
 }

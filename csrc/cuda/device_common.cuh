@@ -20,6 +20,8 @@
 #define GA_HD inline
 #endif
 
+#include "../core/formulas.h"
+
 namespace ga {
 namespace cuda {
 
@@ -38,42 +40,16 @@ struct f16 {
 
 // ---- bit casts and conversions (round to nearest even; identical on host and device) ----
 
-GA_HD float bits_to_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
-GA_HD uint32_t float_to_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
+using formulas::bits_to_float;
+using formulas::float_to_bits;
 
 GA_HD float to_f(float x) { return x; }
-GA_HD float to_f(bf16 x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
+GA_HD float to_f(bf16 x) { return formulas::bf16_to_float(x.bits); }
 GA_HD float to_f(f16 x) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(x.bits));
 #else
-  const uint32_t h = x.bits;
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t mag = h & 0x7fffu;
-  float f;
-  if (mag >= 0x7c00u) {
-    f = bits_to_float(0x7f800000u | ((mag & 0x3ffu) << 13));
-  } else {
-    f = bits_to_float(mag << 13) * 5.192296858534828e+33f;  // rebias by 2^112
-  }
-  return bits_to_float(float_to_bits(f) | sign);
+  return formulas::half_to_float(x.bits);
 #endif
 }
 
@@ -88,9 +64,7 @@ GA_HD bf16 from_f<bf16>(float x) {
 #if defined(__CUDA_ARCH__)
   return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(x))};
 #else
-  const uint32_t u = float_to_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
-  return bf16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+  return bf16{formulas::float_to_bf16(x)};
 #endif
 }
 template <>
@@ -98,21 +72,7 @@ GA_HD f16 from_f<f16>(float x) {
 #if defined(__CUDA_ARCH__)
   return f16{__half_as_ushort(__float2half_rn(x))};
 #else
-  const uint32_t u = float_to_bits(x);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t mag = u & 0x7fffffffu;
-  uint32_t out;
-  if (mag > 0x7f800000u) {
-    out = 0x7e00u | ((mag >> 13) & 0x3ffu);
-  } else if (mag >= 0x477ff000u) {
-    out = 0x7c00u;
-  } else if (mag < 0x38800000u) {
-    const float r = bits_to_float(mag) + 0.5f;  // the FPU rounds to the fp16 subnormal grid
-    out = float_to_bits(r) - 0x3f000000u;
-  } else {
-    out = (mag + 0xc8000fffu + ((mag >> 13) & 1u)) >> 13;
-  }
-  return f16{static_cast<uint16_t>(out | sign)};
+  return f16{formulas::float_to_half(x)};
 #endif
 }
 

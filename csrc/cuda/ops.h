@@ -98,12 +98,10 @@ struct ZeroOp {  // list 0: the tensor
 
 enum class Opt { kNone, kSGD, kAdam, kAdamW };
 
-/// Scalars of the fused apply, rounded to fp32 on the host exactly as the CPU kernels do.
-struct ApplyScalars {
+/// Scalars of the fused apply: the optimizer's, rounded to fp32 on the host exactly as the CPU
+/// kernels round them, and the gradient scale.
+struct ApplyScalars : formulas::OptimizerScalars<float> {
   double grad_scale;
-  float lr, wd, momentum, one_minus_dampening, beta1c, beta2, one_minus_beta2, adam_eps, step_size,
-      bc2_sqrt, adamw_decay;
-  int nesterov, maximize, first_momentum, has_wd;
 };
 
 /// The fused apply: scale (·clip coefficient, read from device memory) → optimizer update →
@@ -211,10 +209,8 @@ struct AgcScaleOp {
   float* unit_scale;
   double scale, clip_factor, eps;
   GA_HD void operator()(int64_t u) const {
-    const double pn = std::max(std::sqrt(sum_w[u]), eps);
     const double gn = std::sqrt(sum_g[u]) * std::fabs(scale);
-    const double max_norm = pn * clip_factor;
-    const double c = gn > max_norm ? max_norm / std::max(gn, 1e-6) : 1.0;
+    const double c = formulas::agc_unit_coef(std::sqrt(sum_w[u]), gn, clip_factor, eps);
     unit_scale[u] = static_cast<float>(scale * c);
   }
 };
@@ -253,8 +249,8 @@ struct NormPost {
     bool skipped = skip_nonfinite && !std::isfinite(norm);
     double coef = 1.0;
     if (clip_global)
-      coef =
-          coef_given ? static_cast<double>(*given_coef) : std::min(1.0, max_norm / (norm + 1e-6));
+      coef = coef_given ? static_cast<double>(*given_coef)
+                        : formulas::global_clip_coef(norm, max_norm);
     *coef64 = coef;
     *skip = skipped ? 1.0f : 0.0f;
     if (stats != nullptr) {
@@ -296,13 +292,11 @@ struct BnMergeOp {
   int d_mean_a, d_m2_a, d_mean_b, d_m2_b;  // 1: float64
   double na, nb;
   GA_HD void operator()(int64_t c) const {
-    const double nt = na + nb;
-    const double ma = stat_get(mean_a, d_mean_a, c), mb = stat_get(mean_b, d_mean_b, c);
-    const double delta = mb - ma;
-    stat_put(mean_a, d_mean_a, c, ma + delta * (nb / nt));
-    stat_put(
-        m2_a, d_m2_a, c,
-        stat_get(m2_a, d_m2_a, c) + stat_get(m2_b, d_m2_b, c) + delta * delta * (na * nb / nt));
+    const formulas::Moments m =
+        formulas::chan_merge(na, stat_get(mean_a, d_mean_a, c), stat_get(m2_a, d_m2_a, c), nb,
+                             stat_get(mean_b, d_mean_b, c), stat_get(m2_b, d_m2_b, c));
+    stat_put(mean_a, d_mean_a, c, m.mean);
+    stat_put(m2_a, d_m2_a, c, m.m2);
   }
 };
 
@@ -316,10 +310,10 @@ struct BnRunningOp {
   double div, new_weight;
   GA_HD void operator()(int64_t c) const {
     const double var = stat_get(m2, d_m2, c) / div;
-    stat_put(
-        rmean, d_rmean, c,
-        (1 - new_weight) * stat_get(rmean, d_rmean, c) + new_weight * stat_get(mean, d_mean, c));
-    stat_put(rvar, d_rvar, c, (1 - new_weight) * stat_get(rvar, d_rvar, c) + new_weight * var);
+    stat_put(rmean, d_rmean, c,
+             formulas::running_update(stat_get(rmean, d_rmean, c), stat_get(mean, d_mean, c),
+                                      new_weight));
+    stat_put(rvar, d_rvar, c, formulas::running_update(stat_get(rvar, d_rvar, c), var, new_weight));
   }
 };
 
@@ -545,27 +539,8 @@ ga_status unitwise_norm(B& b, ga_tensor tensor, ga_units units, ga_tensor norms)
 
 inline ApplyScalars apply_scalars(const ga_apply_options& o) {
   ApplyScalars k{};
+  static_cast<formulas::OptimizerScalars<float>&>(k) = formulas::optimizer_scalars<float>(o);
   k.grad_scale = o.grad_scale;
-  k.lr = static_cast<float>(o.lr);
-  k.wd = static_cast<float>(o.weight_decay);
-  k.has_wd = o.weight_decay != 0.0;
-  k.maximize = o.maximize != 0;
-  k.momentum = static_cast<float>(o.momentum);
-  k.one_minus_dampening = static_cast<float>(1.0 - o.dampening);
-  k.nesterov = o.nesterov != 0;
-  k.first_momentum = o.momentum_initialized == 0;
-  if (o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW) {
-    const double step = static_cast<double>(o.step);
-    const double bc1 = 1.0 - std::pow(o.beta1, step);
-    const double bc2 = 1.0 - std::pow(o.beta2, step);
-    k.beta1c = static_cast<float>(1.0 - o.beta1);
-    k.beta2 = static_cast<float>(o.beta2);
-    k.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
-    k.adam_eps = static_cast<float>(o.adam_eps);
-    k.step_size = static_cast<float>(o.lr / bc1);
-    k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    k.adamw_decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
-  }
   return k;
 }
 

@@ -54,6 +54,16 @@ def _float(v: Any) -> float:
 _FLT_MAX = 3.4028234663852886e38
 
 
+def _global_clip_coef(norm: Any, max_norm: float) -> Any:
+    """min(1, max_norm / (‖g‖ + 1e-6)): a float for a float norm, a tensor for a device norm.
+
+    The core's formula (``csrc/core/formulas.h``), for the norm the adapter computes over every
+    group before the per-group apply calls.
+    """
+    coef = max_norm / (norm + 1e-6)
+    return coef.clamp(max=1.0) if isinstance(coef, torch.Tensor) else min(1.0, coef)
+
+
 class _InterruptGate:
     """Holds Ctrl-C while a step writes, so it surfaces once buffers and counters agree.
 
@@ -1069,13 +1079,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._clip_coef = None
         if self.max_grad_norm is not None and self._cuda:
             # Norm and coefficient stay on the device; every apply call reads the coefficient.
-            self._clip_coef = (
-                (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).to(torch.float32).reshape(1)
-            )
+            coef = _global_clip_coef(norm, self.max_grad_norm)
+            self._clip_coef = coef.to(torch.float32).reshape(1)
             self.last_grad_norm = norm
         elif self.max_grad_norm is not None:
             self.last_grad_norm = norm
-            scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))
+            scale *= _global_clip_coef(norm, self.max_grad_norm)
         if self._fused_kind is not None:
             self._fused_apply(idx, scale)
             # The inner optimizer's step() did not run; tell an LR scheduler built on it that
