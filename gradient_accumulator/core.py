@@ -5,7 +5,7 @@ TensorFlow) and works on their memory in place; nothing is copied. Tensors must 
 lists must match in length and element counts. Bad input raises ``ValueError`` or ``TypeError``
 naming the argument, and leaves every buffer as it was.
 
-Outputs (accumulators, parameters, states, ``flat``/``dst``) must be writable by the caller:
+Outputs (accumulators, parameters, optimizer states, statistics) must be writable by the caller:
 read-only arrays (the DLPack 1.x read-only flag), JAX arrays and TensorFlow tensors (immutable
 values for their users), torch inference tensors outside ``torch.inference_mode()`` and torch
 negative-bit views (``x._neg_view()``, ``x.conj().imag``) are refused with a ``ValueError``. As
@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +39,6 @@ from gradient_accumulator._loader import load_core
 __all__ = [
     "AccumulateResult",
     "ApplyResult",
-    "Arena",
     "accumulate",
     "adaptive_clip",
     "apply",
@@ -52,11 +50,9 @@ __all__ = [
     "global_norm",
     "cuda_device_count",
     "has_cuda",
-    "pack",
     "sum_of_squares",
     "unit_layout",
     "unitwise_norm",
-    "unpack",
     "zero",
 ]
 
@@ -615,22 +611,6 @@ def bn_update_running(
         )
 
 
-def pack(src: Sequence[Tensor], flat: Tensor, *, scale: float = 1.0) -> None:
-    """Copy ``src`` end to end into ``flat`` (times ``scale``), converting dtypes.
-
-    The product is taken in float64 when either side is float64 or ``scale`` is not a normal
-    float32 number, so such a scale is never rounded to 0 or inf first.
-    """
-    with _on_device(flat):
-        load_core().pack(src, flat, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
-
-
-def unpack(flat: Tensor, dst: Sequence[Tensor], *, scale: float = 1.0) -> None:
-    """Inverse of :func:`pack`: slices of ``flat`` (times ``scale``) into ``dst``."""
-    with _on_device(flat):
-        load_core().unpack(flat, dst, _check_real(scale, "scale"), stream=_cuda_stream(flat) or 0)
-
-
 def zero(tensors: Sequence[Tensor]) -> None:
     """Set every tensor to zero."""
     with _on_device(_first(tensors)):
@@ -681,57 +661,3 @@ def arena_plan(
         counts, int(alignment), int(bucket_numel), bool(reverse)
     )
     return ArenaPlan(list(offsets), list(bucket_of), list(bucket_start), int(total))
-
-
-class Arena:
-    """One aligned, zeroed fp32 host allocation whose slices are exported through DLPack.
-
-    The views keep the allocation alive; a framework imports them without a copy, e.g.
-    ``torch.from_dlpack(arena.view(offset, shape))`` — so the views can serve as ``.grad``.
-
-    Example:
-        >>> import numpy as np
-        >>> arena = core.Arena(32)
-        >>> v = np.from_dlpack(arena.view(16, (2, 3)))
-        >>> v.shape, v.dtype
-        ((2, 3), dtype('float32'))
-    """
-
-    def __init__(self, numel: int):
-        if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
-            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-        if numel >= _INT64_LIMIT // 4:  # its size in bytes must fit in int64
-            raise ValueError(f"numel must be < 2**61 (its bytes in int64), got {numel}")
-        self._arena = load_core().Arena(int(numel))
-
-    @property
-    def numel(self) -> int:
-        """Size in elements."""
-        return int(self._arena.numel)
-
-    def view(self, offset: int, shape: Sequence[int]) -> _View:
-        """A DLPack-exportable view of elements ``[offset, offset + prod(shape))``."""
-        return _View(self._arena, int(offset), tuple(int(d) for d in shape))
-
-
-class _View:
-    """DLPack producer for a slice of an :class:`Arena` (CPU)."""
-
-    def __init__(self, arena: Any, offset: int, shape: tuple[int, ...]):
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shape must have non-negative dimensions, got {shape}")
-        numel = math.prod(shape)  # Python ints: no wrap, unlike np.prod's int64
-        if offset < 0 or offset + numel > arena.numel:
-            raise ValueError(
-                f"view [{offset}, {offset + numel}) lies outside the arena of {arena.numel}"
-            )
-        self._arena, self._offset, self.shape = arena, offset, shape
-
-    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:
-        # A DLPack 1.x consumer gets a versioned, writable capsule (NumPy imports a legacy one
-        # read-only); an older consumer gets the legacy capsule.
-        versioned = max_version is not None and int(max_version[0]) >= 1
-        return self._arena.view(self._offset, list(self.shape), versioned)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (1, 0)

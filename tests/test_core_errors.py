@@ -817,61 +817,7 @@ running_case(
 )
 
 
-# ---- pack / unpack / zero ----
-
-
-@case("pack-flat-too-small", ValueError, "flat has 8 elements but the tensors need 9")
-def _():
-    src, flat = [f32(4, fill=3.0), f32(5, fill=3.0)], f32(8, fill=-1.0)
-    return (lambda: core.pack(src, flat)), src + [flat]
-
-
-@case("pack-src-not-a-list", TypeError, "src must be a list or tuple")
-def _():
-    src, flat = f32(4, fill=3.0), f32(8, fill=-1.0)
-    return (lambda: core.pack(src, flat)), [src, flat]
-
-
-@case("pack-flat-aliases-src", ValueError, overlap("flat", "src[0]"))
-def _():
-    flat = f32(10, fill=-1.0)
-    return (lambda: core.pack([flat[:3]], flat)), [flat]
-
-
-@case("pack-scale-nan", ValueError, "scale must be finite")
-def _():
-    src, flat = [f32(4, fill=3.0)], f32(8, fill=-1.0)
-    return (lambda: core.pack(src, flat, scale=float("nan"))), src + [flat]
-
-
-@case("pack-flat-read-only", ValueError, "flat is read-only")
-def _():
-    src, flat = [f32(4, fill=3.0)], read_only(f32(8, fill=-1.0))
-    return (lambda: core.pack(src, flat)), src + [flat]
-
-
-@case("pack-flat-none", TypeError, "flat is None")
-def _():
-    src = [f32(4, fill=3.0)]
-    return (lambda: core.pack(src, None)), src
-
-
-@case("unpack-dst-read-only", ValueError, r"dst\[1\] is read-only")
-def _():
-    flat, dst = f32(9, fill=3.0), [f32(4, fill=-1.0), read_only(f32(5, fill=-1.0))]
-    return (lambda: core.unpack(flat, dst)), [flat] + dst
-
-
-@case("unpack-dst-int", TypeError, r"dst\[0\] has an unsupported dtype")
-def _():
-    flat, dst = f32(9, fill=3.0), [np.zeros(4, np.int32), f32(5, fill=-1.0)]
-    return (lambda: core.unpack(flat, dst)), [flat] + dst
-
-
-@case("unpack-dst-overlap", ValueError, overlap("dst[1]", "dst[0]"))
-def _():
-    flat, base = f32(9, fill=3.0), f32(9, fill=-1.0)
-    return (lambda: core.unpack(flat, [base[:5], base[4:8]])), [flat, base]
+# ---- zero ----
 
 
 @case("zero-same-tensor-twice", ValueError, overlap("tensors[1]", "tensors[0]"))
@@ -913,22 +859,6 @@ def _():
 def test_arena_plan_bad_input(kw, exc, match):
     with pytest.raises(exc, match=match):
         core.arena_plan(**kw)
-
-
-@pytest.mark.parametrize("numel", [-1, 2.5, True, "8", None])
-def test_arena_bad_numel(numel):
-    with pytest.raises(ValueError, match="numel"):
-        core.Arena(numel)
-
-
-@pytest.mark.parametrize(("offset", "shape"), [(60, (6,)), (-1, (2,)), (0, (65,)), (0, (8, 9))])
-def test_arena_view_outside(offset, shape):
-    arena = core.Arena(64)
-    whole = np.from_dlpack(arena.view(0, (64,)))
-    whole[:] = 5.0
-    with pytest.raises(ValueError, match="view"):
-        arena.view(offset, shape)
-    np.testing.assert_array_equal(whole, 5.0)
 
 
 # ---- the table ----

@@ -1,6 +1,6 @@
 """Property-based fuzzing of ``gradient_accumulator.core``.
 
-Each example draws one core call (accumulate, apply, pack/unpack, adaptive_clip, sum of
+Each example draws one core call (accumulate, apply, adaptive_clip, sum of
 squares) on NumPy buffers of random sizes and dtypes, with scalars that are ordinary, extreme
 for float32 (1e40, 1e-46, ...) or invalid, and possibly one injected fault (a size mismatch, a
 wrong dtype, aliasing buffers, a read-only output, a bad scalar). The call must either
@@ -313,52 +313,6 @@ def apply_calls(draw) -> Call:
 
 
 @st.composite
-def pack_calls(draw) -> Call:
-    sizes = _sizes(draw)
-    dts = [draw(st.sampled_from(["float32", "float64", "float16"])) for _ in sizes]
-    flat_dt = draw(st.sampled_from(["float32", "float64", "float16"]))
-    to_flat = draw(st.booleans())
-    scale, skind = _scalar(draw)
-    lst = [_array(draw, n, dt, True) for n, dt in zip(sizes, dts)]
-    flat = _array(draw, sum(sizes) + draw(st.integers(0, 3)), flat_dt, True)
-    fault: list[str] = []
-    kind = _fault_kind(draw)
-    if kind == "size":
-        flat = np.zeros(max(sum(sizes) - 1, 0), flat_dt)
-        fault = ["flat"] if sum(sizes) > 0 else []
-    elif kind == "readonly":
-        if to_flat:
-            flat.flags.writeable = False
-            fault = ["flat"]
-        else:
-            fault = _inject(draw, "readonly", lst, [], "dst", "flat", "float16")
-    if skind == "invalid":
-        fault.append("scale")
-    l0 = [x.astype(np.float64) for x in lst]
-    f0 = flat.astype(np.float64)
-
-    def run():
-        if to_flat:
-            core.pack(lst, flat, scale=scale)
-        else:
-            core.unpack(flat, lst, scale=scale)
-
-    def check(_):
-        with np.errstate(all="ignore"):
-            off = 0
-            for i, x in enumerate(l0):
-                if to_flat:
-                    _assert_stored(flat[off : off + x.size], x * scale, f"flat[{off}:]")
-                else:
-                    _assert_stored(lst[i], f0[off : off + x.size] * scale, f"dst[{i}]")
-                off += x.size
-            if to_flat:
-                np.testing.assert_array_equal(flat[off:], flat.astype(np.float64)[off:])
-
-    return Call(lst + [flat], run, check, fault, [])
-
-
-@st.composite
 def adaptive_clip_calls(draw) -> Call:
     sizes = [
         draw(st.integers(1, 4)) * draw(st.integers(1, 6)) for _ in range(draw(st.integers(1, 3)))
@@ -443,12 +397,6 @@ def test_fuzz_accumulate(call):
 @FUZZ
 @given(apply_calls())
 def test_fuzz_apply(call):
-    _run(call)
-
-
-@FUZZ
-@given(pack_calls())
-def test_fuzz_pack_unpack(call):
     _run(call)
 
 

@@ -1,6 +1,4 @@
-// The accumulator arena: layout planning, aligned allocation, zeroing.
-#include <cstdlib>
-#include <cstring>
+// The accumulator arena's layout planning, and zeroing.
 #include <string>
 
 #include "internal.h"
@@ -51,35 +49,6 @@ extern "C" ga_status ga_arena_plan(const int64_t* numels, int64_t n,
     bucket_start[*num_buckets] = pos;
     *total_numel = pos;
   });
-}
-
-extern "C" ga_status ga_arena_alloc(int64_t numel, ga_device_type device_type, int32_t device_id,
-                                    void** data) {
-  return guarded([&] {
-    if (data == nullptr) fail(kGaInvalidArgument, "data", "data is null");
-    if (numel < 0) fail(kGaInvalidArgument, "numel", "numel must be >= 0");
-    const int64_t device = raw_enum(device_type);  // any int may arrive from C
-    if (device == kGaCUDA) {
-      // On a GPU the framework owns the accumulators' memory (its caching allocator and
-      // streams): allocate them there, e.g. torch.zeros(..., device="cuda").
-      fail(kGaUnsupported, "device",
-           "the arena is host memory; allocate CUDA accumulators with the framework");
-    }
-    if (device != kGaCPU) fail(kGaTypeError, "device", "unknown device");
-    (void)device_id;
-    // numel·4 rounded up to 64 bytes must not wrap (a wrapped size would allocate too little).
-    const int64_t exact = checked_mul(numel, static_cast<int64_t>(sizeof(float)), "numel");
-    size_t bytes = static_cast<size_t>(checked_add(exact, 63, "numel")) / 64 * 64;
-    if (bytes == 0) bytes = 64;
-    void* p = std::aligned_alloc(64, bytes);
-    if (p == nullptr) fail(kGaRuntimeError, "numel", "out of host memory for the arena");
-    std::memset(p, 0, bytes);
-    *data = p;
-  });
-}
-
-extern "C" void ga_arena_free(void* data, ga_device_type device_type, int32_t) {
-  if (data != nullptr && device_type == kGaCPU) std::free(data);
 }
 
 extern "C" ga_status ga_zero(ga_tensor_list tensors) {

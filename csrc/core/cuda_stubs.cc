@@ -34,8 +34,6 @@ ga_status ga_cuda_apply(const ga_apply_tensors*, const ga_apply_options*, const 
                         ga_cuda_apply_stats*, void*) {
   return unsupported();
 }
-ga_status ga_cuda_pack(ga_tensor_list, ga_tensor, double, void*) { return unsupported(); }
-ga_status ga_cuda_unpack(ga_tensor, ga_tensor_list, double, void*) { return unsupported(); }
 ga_status ga_cuda_zero(ga_tensor_list, void*) { return unsupported(); }
 ga_status ga_cuda_bn_merge(double*, ga_tensor, ga_tensor, double, ga_tensor, ga_tensor, void*) {
   return unsupported();

@@ -138,8 +138,6 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
                     const char* param_name, ga_device_type device);
 void validate_unitwise_norm(const ga_tensor& tensor, const ga_units& units, const ga_tensor& norms,
                             ga_device_type device);
-void validate_flat(const ga_tensor_list& list, const char* list_name, const ga_tensor& flat,
-                   double scale, ga_device_type device);
 void validate_bn_merge(const double* count_a, const ga_tensor& mean_a, const ga_tensor& m2_a,
                        double count_b, const ga_tensor& mean_b, const ga_tensor& m2_b,
                        ga_device_type device);
@@ -246,8 +244,6 @@ struct Kernels {
   void (*unit_sumsq)(const UnitSumsqArgs&);
   void (*apply)(const ApplyArgs&);
   void (*bn_moments)(const BnMomentsArgs&);
-  void (*copy_scaled)(const ga_tensor& src, int64_t src_off, const ga_tensor& dst, int64_t dst_off,
-                      int64_t n, double scale);
   void (*zero)(const ga_tensor& t);
 };
 

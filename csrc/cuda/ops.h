@@ -72,19 +72,6 @@ struct SumsqOp {  // list 0: the tensor
   }
 };
 
-template <typename S, typename D>
-struct CopyScaledOp {  // lists: 0 source (S), 1 destination (D)
-  float scale;
-  template <int N, int L>
-  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
-    float x[N];
-    load<N>(static_cast<const S*>(m.ptr[0][t]) + i, x);
-    for (int k = 0; k < N; ++k) x[k] *= scale;
-    store<N>(static_cast<D*>(m.ptr[1][t]) + i, x);
-    return 0.0;
-  }
-};
-
 template <typename T>
 struct ZeroOp {  // list 0: the tensor
   template <int N, int L>
@@ -736,40 +723,6 @@ ga_status adaptive_clip(B& b, ga_tensor_list params, ga_tensor_list grads, const
   ga_apply_options o;
   detail::agc_as_apply(params, grads, units, clip_factor, eps, &t, &o);
   return apply<B, kSetNone>(b, &t, &o, nullptr, nullptr, "grads", "params");
-}
-
-/// pack (to_flat) or unpack: flat[o_i : o_i + n_i] ↔ scale · list_i.
-template <typename B>
-ga_status copy_flat(B& b, ga_tensor_list list, ga_tensor flat, double scale, bool to_flat) {
-  return detail::guarded([&] {
-    detail::validate_flat(list, to_flat ? "src" : "dst", flat, scale, kGaCUDA);
-    check_cuda_dtypes(list, to_flat ? "src" : "dst");
-    const ga_tensor_list one{&flat, 1};
-    check_cuda_dtypes(one, "flat");
-    // Views of the flat tensor, one per list entry (device pointers are plain addresses).
-    std::vector<ga_tensor> views(static_cast<size_t>(list.size));
-    int64_t off = 0;
-    for (int64_t i = 0; i < list.size; ++i) {
-      views[i] = flat;
-      views[i].numel = list.tensors[i].numel;
-      views[i].data = static_cast<char*>(flat.data) + off * ga_dtype_size(flat.dtype);
-      off += list.tensors[i].numel;
-    }
-    const ga_tensor_list vl{views.data(), list.size};
-    const ga_tensor_list* lists[2] = {to_flat ? &list : &vl, to_flat ? &vl : &list};
-    for (const auto& idx :
-         group(list.size, list, [&](int64_t i) { return list.tensors[i].dtype; })) {
-      int64_t nc = 0;
-      Meta<2> m = chunk_meta<2>(idx, lists, {}, &nc);
-      visit_float(lists[0]->tensors[idx[0]].dtype, [&](auto sv) {
-        visit_float(lists[1]->tensors[idx[0]].dtype, [&](auto dv) {
-          b.template chunks<false>(
-              m, CopyScaledOp<decltype(sv), decltype(dv)>{static_cast<float>(scale)}, nc, nullptr,
-              nullptr);
-        });
-      });
-    }
-  });
 }
 
 template <typename B>

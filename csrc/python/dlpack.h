@@ -72,20 +72,6 @@ std::vector<TensorRef> import_list(py::handle seq, const std::string& name, bool
 /// Descriptors of imported tensors, in order.
 std::vector<ga_tensor> descriptors(const std::vector<TensorRef>& refs);
 
-/// Owner of an arena allocation, shared by the views exported from it.
-struct ArenaStorage {
-  void* data = nullptr;
-  int64_t numel = 0;
-  ga_device_type device_type = kGaCPU;
-  int32_t device_id = 0;
-  ~ArenaStorage();
-};
-
-/// Export elements [offset, offset + prod(shape)) of an arena as a DLPack capsule: a writable
-/// DLPack 1.x "dltensor_versioned" one when `versioned`, else a legacy "dltensor" one.
-py::capsule export_view(const std::shared_ptr<ArenaStorage>& storage, int64_t offset,
-                        const std::vector<int64_t>& shape, bool versioned = false);
-
 }  // namespace python
 }  // namespace ga
 

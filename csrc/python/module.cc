@@ -11,7 +11,6 @@
 #include "gradient_accumulator/cpp.h"
 
 namespace py = pybind11;
-using ga::python::ArenaStorage;
 using ga::python::descriptors;
 using ga::python::import_list;
 using ga::python::import_tensor;
@@ -327,28 +326,6 @@ void bn_update_running(py::handle running_mean, py::handle running_var, py::hand
   });
 }
 
-void pack(py::handle src, py::handle flat, double scale, uintptr_t stream) {
-  auto s = import_list(src, "src", false);
-  auto f = import_tensor(flat, "flat", true);
-  auto sd = descriptors(s);
-  call_core([&] {
-    if (f.desc.device_type == kGaCUDA)
-      return ga_cuda_pack(as_list(sd), f.desc, scale, as_stream(stream));
-    return ga_pack(as_list(sd), f.desc, scale);
-  });
-}
-
-void unpack(py::handle flat, py::handle dst, double scale, uintptr_t stream) {
-  auto f = import_tensor(flat, "flat", false);
-  auto d = import_list(dst, "dst", true);
-  auto dd = descriptors(d);
-  call_core([&] {
-    if (f.desc.device_type == kGaCUDA)
-      return ga_cuda_unpack(f.desc, as_list(dd), scale, as_stream(stream));
-    return ga_unpack(f.desc, as_list(dd), scale);
-  });
-}
-
 void zero(py::handle tensors, uintptr_t stream) {
   auto t = import_list(tensors, "tensors", true);
   auto d = descriptors(t);
@@ -371,25 +348,6 @@ py::tuple arena_plan(const std::vector<int64_t>& numels, int64_t alignment, int6
   bucket_start.resize(static_cast<size_t>(num_buckets) + 1);
   return py::make_tuple(offsets, bucket_of, bucket_start, total);
 }
-
-/// One aligned fp32 allocation whose slices are exported through DLPack.
-class Arena {
- public:
-  explicit Arena(int64_t numel) : storage_(std::make_shared<ArenaStorage>()) {
-    void* data = nullptr;
-    call_core([&] { return ga_arena_alloc(numel, kGaCPU, 0, &data); });
-    storage_->data = data;
-    storage_->numel = numel;
-  }
-  int64_t numel() const { return storage_->numel; }
-  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(storage_->data); }
-  py::capsule view(int64_t offset, const std::vector<int64_t>& shape, bool versioned) const {
-    return ga::python::export_view(storage_, offset, shape, versioned);
-  }
-
- private:
-  std::shared_ptr<ArenaStorage> storage_;
-};
 
 }  // namespace
 
@@ -425,15 +383,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("bn_update_running", &bn_update_running, py::arg("running_mean"), py::arg("running_var"),
         py::arg("mean"), py::arg("m2"), py::arg("count"), py::arg("new_weight"),
         py::arg("unbiased"), py::arg("stream") = 0);
-  m.def("pack", &pack, py::arg("src"), py::arg("flat"), py::arg("scale"), py::arg("stream") = 0);
-  m.def("unpack", &unpack, py::arg("flat"), py::arg("dst"), py::arg("scale"),
-        py::arg("stream") = 0);
   m.def("zero", &zero, py::arg("tensors"), py::arg("stream") = 0);
   m.def("arena_plan", &arena_plan, py::arg("numels"), py::arg("alignment"), py::arg("bucket_numel"),
         py::arg("reverse"));
-  py::class_<Arena>(m, "Arena")
-      .def(py::init<int64_t>(), py::arg("numel"))
-      .def_property_readonly("numel", &Arena::numel)
-      .def_property_readonly("data_ptr", &Arena::data_ptr)
-      .def("view", &Arena::view, py::arg("offset"), py::arg("shape"), py::arg("versioned") = false);
 }

@@ -1,4 +1,4 @@
-// Tests of the buffers op family: arena planning, aligned zeroed allocation, ga_zero.
+// Tests of the buffers op family: arena planning and ga_zero.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -185,49 +185,6 @@ TEST(ArenaPlan, BadInputWritesNothing) {
   EXPECT_EQ(bucket_start[0], -7);
   EXPECT_EQ(nb, -7);
   EXPECT_EQ(total, -7);
-}
-
-TEST(ArenaAlloc, AlignedZeroedAndWritable) {
-  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{31}, int64_t{16383}, int64_t{16385},
-                    int64_t{100003}}) {
-    SCOPED_TRACE(n);
-    // Dirty a block of the same size first, so a recycled block must really be cleared.
-    void* dirty = nullptr;
-    ASSERT_EQ(ga_arena_alloc(n, kGaCPU, 0, &dirty), kGaOk);
-    std::memset(dirty, 0x7f, static_cast<size_t>(n) * sizeof(float));
-    ga_arena_free(dirty, kGaCPU, 0);
-
-    void* data = nullptr;
-    ASSERT_EQ(ga_arena_alloc(n, kGaCPU, 0, &data), kGaOk) << ga_last_error();
-    ASSERT_NE(data, nullptr);
-    EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % 64, 0u);
-    float* f = static_cast<float*>(data);
-    int64_t nonzero = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, f + i, 4);
-      nonzero += bits != 0;
-    }
-    EXPECT_EQ(nonzero, 0);
-    for (int64_t i = 0; i < n; ++i) f[i] = static_cast<float>(i);
-    for (int64_t i = 0; i < n; i += 997) EXPECT_EQ(f[i], static_cast<float>(i));
-    ga_arena_free(data, kGaCPU, 0);
-  }
-  ga_arena_free(nullptr, kGaCPU, 0);  // ignored
-}
-
-TEST(ArenaAlloc, BadInput) {
-  void* const sentinel = reinterpret_cast<void*>(uintptr_t{0x1234});
-  void* data = sentinel;
-  EXPECT_TRUE(FailsWith(ga_arena_alloc(-1, kGaCPU, 0, &data), kGaInvalidArgument, {"numel"}));
-  EXPECT_EQ(data, sentinel);
-  EXPECT_TRUE(FailsWith(ga_arena_alloc(8, kGaCPU, 0, nullptr), kGaInvalidArgument, {"data"}));
-  EXPECT_TRUE(FailsWith(ga_test_arena_alloc_raw(8, 7, &data), kGaTypeError, {"device"}));
-  EXPECT_EQ(data, sentinel);
-  if (!ga_has_cuda()) {
-    EXPECT_TRUE(FailsWith(ga_arena_alloc(8, kGaCUDA, 0, &data), kGaUnsupported, {"device"}));
-    EXPECT_EQ(data, sentinel);
-  }
 }
 
 TEST(Zero, EveryDtypeOddSizesUnaligned) {

@@ -3,7 +3,3 @@
 #include "gradient_accumulator/gradient_accumulator.h"
 
 size_t ga_test_dtype_size_raw(int dtype) { return ga_dtype_size((ga_dtype)dtype); }
-
-ga_status ga_test_arena_alloc_raw(int64_t numel, int device_type, void** data) {
-  return ga_arena_alloc(numel, (ga_device_type)device_type, 0, data);
-}

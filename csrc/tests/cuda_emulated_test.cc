@@ -549,28 +549,6 @@ TEST(CudaEmulated, AdaptiveClipMatchesCpu) {
   ExpectListsNear(gd, g, 1e-6);
 }
 
-TEST(CudaEmulated, PackUnpackMatchCpu) {
-  auto rng = Rng(10);
-  const std::vector<int64_t> sizes = {5, 16384, 0, 999, 33};
-  const auto dt = Cycle({kGaFloat32, kGaBFloat16, kGaFloat16}, sizes.size());
-  TensorList src(dt, sizes, 1);
-  src.FillUniform(rng, -2, 2);
-  TensorList sd = DeviceCopy(src, 1);
-  for (ga_dtype fdt : {kGaFloat32, kGaBFloat16}) {
-    TestTensor flat(fdt, 17500, 0), flat_d(fdt, 17500, 0);
-    ga_tensor fd = flat_d.desc();
-    fd.device_type = kGaCUDA;
-    ASSERT_EQ(ga_pack(src.list(), flat.desc(), 0.5), kGaOk);
-    HostBackend b;
-    ASSERT_EQ(gc::copy_flat(b, sd.list(), fd, 0.5, true), kGaOk);
-    EXPECT_TRUE(Near(flat_d.Values(), flat.Values(), 0, fdt));
-    TensorList back(dt, sizes, 1), back_d = DeviceCopy(back, 1);
-    ASSERT_EQ(ga_unpack(flat.desc(), back.list(), 4.0), kGaOk);
-    ASSERT_EQ(gc::copy_flat(b, back_d.list(), fd, 4.0, false), kGaOk);
-    ExpectListsNear(back_d, back, 0);
-  }
-}
-
 TEST(CudaEmulated, ZeroClearsEveryDtypeAndNothingElse) {
   auto rng = Rng(11);
   const std::vector<int64_t> sizes = {3, 16385, 0, 77};

@@ -26,7 +26,6 @@ extern "C" {
 // Defined in c_abi.c: calls made from C, where any int converts to an enum type, so the tests can
 // pass out-of-range values to by-value enum parameters as a C caller may.
 size_t ga_test_dtype_size_raw(int dtype);
-ga_status ga_test_arena_alloc_raw(int64_t numel, int device_type, void** data);
 }
 
 namespace ga_test {
@@ -57,12 +56,12 @@ inline size_t RawDtypeSize(int v) { return ga_test_dtype_size_raw(v); }
 // to the same compute bound; only the format the result is *stored* in changes the bound.
 // ---------------------------------------------------------------------------------------------
 
-// Results computed in fp32 arithmetic (accumulate, apply, pack/unpack between fp32-or-narrower
-// formats). Unit roundoff u32 = 2^-24 ≈ 6.0e-8 per operation; the longest chain in the core
-// (Adam: scale, weight decay, two moment updates, sqrt, bias corrections, divide, subtract, with
-// fp32-rounded constants such as 1 − β1) is about 12 operations, i.e. ≤ 7.2e-7 per unit of `mag`.
-// 1e-6 (≈ 17 u32) keeps headroom yet fails any wrong formula: a dropped or wrong term changes a
-// result by ≥ 1e-3 relative with the hyper-parameters used in these tests.
+// Results computed in fp32 arithmetic (accumulate, apply). Unit roundoff u32 = 2^-24 ≈ 6.0e-8 per
+// operation; the longest chain in the core (Adam: scale, weight decay, two moment updates, sqrt,
+// bias corrections, divide, subtract, with fp32-rounded constants such as 1 − β1) is about 12
+// operations, i.e. ≤ 7.2e-7 per unit of `mag`. 1e-6 (≈ 17 u32) keeps headroom yet fails any wrong
+// formula: a dropped or wrong term changes a result by ≥ 1e-3 relative with the hyper-parameters
+// used in these tests.
 constexpr double kFp32Compute = 1e-6;
 
 // Results the core accumulates in fp64 (sum of squares, unit norms, batch-norm moments and

@@ -221,20 +221,12 @@ def test_adaptive_clip_matches_cpu(dev):
         _close(x, y, 1e-6)
 
 
-@pytest.mark.parametrize("fdtype", [torch.float32, torch.bfloat16])
-def test_pack_unpack_zero(dev, fdtype):
+def test_zero_every_dtype(dev):
     sizes = [5, 16384, 999, 33]
-    src = [rand(n, DTYPES[i % 3], dev, i, offset=1) for i, n in enumerate(sizes)]
-    flat = torch.empty(sum(sizes), dtype=fdtype, device=dev)
-    core.pack(src, flat, scale=0.5)
-    want = torch.cat([0.5 * x.double().cpu() for x in src])
-    _close(flat, want.to(fdtype).double(), 0)
-    back = [torch.empty_like(x) for x in src]
-    core.unpack(flat, back, scale=2.0)
-    for x, y in zip(back, src):
-        _close(x, y, ROUND[fdtype] * 2 + ROUND[x.dtype] * 2)
-    core.zero(back)
-    assert all(not bool(x.any()) for x in back)
+    xs = [rand(n, DTYPES[i % 3], dev, i, 0.5, 1.5, offset=1) for i, n in enumerate(sizes)]
+    assert all(bool(x.all()) for x in xs)  # unaligned views, no element zero to begin with
+    core.zero(xs)
+    assert all(not bool(x.any()) for x in xs)
 
 
 def test_batchnorm_merge_and_running(dev):

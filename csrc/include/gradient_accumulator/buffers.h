@@ -1,5 +1,5 @@
-/* Buffers op family: the accumulator arena — one aligned fp32 allocation per device,
- * laid out in backward order and split into buckets. */
+/* Buffers op family: the accumulator arena's layout — one fp32 buffer per device (allocated by
+ * the framework), tensors laid out in backward order and split into buckets — and ga_zero. */
 #ifndef GRADIENT_ACCUMULATOR_BUFFERS_H_
 #define GRADIENT_ACCUMULATOR_BUFFERS_H_
 
@@ -30,14 +30,6 @@ GA_API ga_status ga_arena_plan(const int64_t* numels, int64_t n,
                                const ga_arena_plan_options* options, int64_t* offsets,
                                int64_t* bucket_of, int64_t* bucket_start, int64_t* num_buckets,
                                int64_t* total_numel);
-
-/** \brief Allocate `numel` zeroed fp32 elements aligned to 64 bytes in host memory
- *         (kGaCPU; CUDA accumulators are allocated by the framework: kGaUnsupported). */
-GA_API ga_status ga_arena_alloc(int64_t numel, ga_device_type device_type, int32_t device_id,
-                                void** data);
-
-/** \brief Free memory from ga_arena_alloc (NULL is ignored). */
-GA_API void ga_arena_free(void* data, ga_device_type device_type, int32_t device_id);
 
 /** \brief Set `tensors` to zero (fp32, bf16, fp16, fp64). */
 GA_API ga_status ga_zero(ga_tensor_list tensors);

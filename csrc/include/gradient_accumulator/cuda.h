@@ -63,9 +63,7 @@ typedef struct ga_cuda_apply_stats {
 GA_API ga_status ga_cuda_apply(const ga_apply_tensors* tensors, const ga_apply_options* options,
                                const float* skip_flag, ga_cuda_apply_stats* stats, void* stream);
 
-/** \brief ga_pack / ga_unpack / ga_zero on CUDA tensors. */
-GA_API ga_status ga_cuda_pack(ga_tensor_list src, ga_tensor flat, double scale, void* stream);
-GA_API ga_status ga_cuda_unpack(ga_tensor flat, ga_tensor_list dst, double scale, void* stream);
+/** \brief ga_zero on CUDA tensors. */
 GA_API ga_status ga_cuda_zero(ga_tensor_list tensors, void* stream);
 
 /** \brief ga_bn_merge with the statistics in CUDA memory; the counts stay on the host. */

@@ -9,6 +9,5 @@
 #include "gradient_accumulator/common.h"
 #include "gradient_accumulator/cuda.h"
 #include "gradient_accumulator/norms.h"
-#include "gradient_accumulator/reduce.h"
 
 #endif /* GRADIENT_ACCUMULATOR_GRADIENT_ACCUMULATOR_H_ */
