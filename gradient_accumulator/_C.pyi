@@ -35,33 +35,40 @@ def adaptive_clip(
     eps: float,
     stream: int = 0,
 ) -> None: ...
+
+class ApplyOptions:
+    """``ga_apply_options`` (apply.h), field for field; strings for the enums."""
+
+    optimizer: str  # "none", "sgd", "adam", "adamw"
+    clip: str  # "none", "global_norm", "agc"
+    clip_coef: Any | None
+    units: Sequence[tuple[int, str]] | None
+    grad_scale: float
+    max_norm: float
+    clip_factor: float
+    agc_eps: float
+    skip_nonfinite: bool
+    reset: bool
+    lr: float
+    weight_decay: float
+    maximize: bool
+    momentum: float
+    dampening: float
+    nesterov: bool
+    momentum_initialized: bool
+    beta1: float
+    beta2: float
+    adam_eps: float
+    step: int
+    def __init__(self) -> None: ...
+
 def apply(
     params: Sequence[Any] | None,
     accumulators: Sequence[Any],
     state1: Sequence[Any] | None,
     state2: Sequence[Any] | None,
     grads_out: Sequence[Any] | None,
-    optimizer: str,
-    grad_scale: float,
-    clip: str,
-    max_norm: float,
-    clip_coef: Any | None,
-    clip_factor: float,
-    agc_eps: float,
-    units: Sequence[tuple[int, str]] | None,
-    skip_nonfinite: bool,
-    reset: bool,
-    lr: float,
-    weight_decay: float,
-    maximize: bool,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    momentum_initialized: bool,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    step: int,
+    options: ApplyOptions,
     stream: int = 0,
     stats_out: Any | None = None,
 ) -> dict[str, Any]: ...

@@ -490,38 +490,34 @@ def apply(
         if not (np.isfinite(agc_eps_value) and agc_eps_value >= 0):
             raise ValueError(f"agc_eps must be finite and >= 0, got {agc_eps!r}")
         units = _units(params, layout)
+    lib = load_core()
+    o = lib.ApplyOptions()  # the C struct ga_apply_options, field for field
+    o.optimizer = optimizer
+    o.grad_scale = _check_real(grad_scale, "grad_scale")
+    o.clip = clip
+    o.max_norm = _check_real(max_norm, "max_norm") if max_norm is not None else 0.0
+    o.clip_coef = clip_coef
+    o.clip_factor = _check_real(clip_factor, "clip_factor")
+    o.agc_eps = _check_real(agc_eps, "agc_eps")
+    o.units = units
+    o.skip_nonfinite = bool(skip_nonfinite)
+    o.reset = bool(reset)
+    o.lr = _check_real(lr, "lr")
+    o.weight_decay = _check_real(weight_decay, "weight_decay")
+    o.maximize = bool(maximize)
+    o.momentum = _check_real(momentum, "momentum")
+    o.dampening = _check_real(dampening, "dampening")
+    o.nesterov = bool(nesterov)
+    o.momentum_initialized = bool(momentum_initialized)
+    o.beta1 = _check_real(betas[0], "betas[0]")
+    o.beta2 = _check_real(betas[1], "betas[1]")
+    o.adam_eps = _check_real(eps, "eps")
+    o.step = int(step)
     stream = _cuda_stream(_first(accumulators))
     stats = _device_scalar(accumulators[0], "float32", 3) if stream is not None else None
     with _on_device(_first(accumulators)):
-        r = load_core().apply(
-            params,
-            accumulators,
-            state1,
-            state2,
-            grads_out,
-            optimizer,
-            _check_real(grad_scale, "grad_scale"),
-            clip,
-            _check_real(max_norm, "max_norm") if max_norm is not None else 0.0,
-            clip_coef,
-            _check_real(clip_factor, "clip_factor"),
-            _check_real(agc_eps, "agc_eps"),
-            units,
-            bool(skip_nonfinite),
-            bool(reset),
-            _check_real(lr, "lr"),
-            _check_real(weight_decay, "weight_decay"),
-            bool(maximize),
-            _check_real(momentum, "momentum"),
-            _check_real(dampening, "dampening"),
-            bool(nesterov),
-            bool(momentum_initialized),
-            _check_real(betas[0], "betas[0]"),
-            _check_real(betas[1], "betas[1]"),
-            _check_real(eps, "eps"),
-            int(step),
-            stream=stream or 0,
-            stats_out=stats,
+        r = lib.apply(
+            params, accumulators, state1, state2, grads_out, o, stream=stream or 0, stats_out=stats
         )
     if stats is not None:
         return ApplyResult(stats[2], stats[0], stats[1])

@@ -203,40 +203,47 @@ void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
         [&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
 }
 
-py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
-               py::handle grads_out, const std::string& optimizer, double grad_scale,
-               const std::string& clip, double max_norm, py::object clip_coef, double clip_factor,
-               double agc_eps, py::object units, bool skip_nonfinite, bool reset, double lr,
-               double weight_decay, bool maximize, double momentum, double dampening, bool nesterov,
-               bool momentum_initialized, double beta1, double beta2, double eps, int64_t step,
-               uintptr_t stream, const py::object& stats_out) {
+/// The fused apply's options as Python builds them (gradient_accumulator.core.apply): the C
+/// struct itself, plus owners for its two pointer fields (the clip coefficient tensor and the AGC
+/// units), which are imported when the call is made.
+struct ApplyOptions {
   ga_apply_options o{};
-  o.optimizer = parse_optimizer(optimizer);
-  o.grad_scale = grad_scale;
-  if (clip == "none")
-    o.clip = kGaClipNone;
-  else if (clip == "global_norm")
-    o.clip = kGaClipGlobalNorm;
-  else if (clip == "agc")
-    o.clip = kGaClipAgc;
-  else
-    throw py::value_error("clip must be 'none', 'global_norm' or 'agc', got '" + clip + "'");
-  o.max_norm = max_norm;
-  o.clip_factor = clip_factor;
-  o.agc_eps = agc_eps;
-  o.skip_nonfinite = skip_nonfinite;
-  o.reset = reset;
-  o.lr = lr;
-  o.weight_decay = weight_decay;
-  o.maximize = maximize;
-  o.momentum = momentum;
-  o.dampening = dampening;
-  o.nesterov = nesterov;
-  o.momentum_initialized = momentum_initialized;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.adam_eps = eps;
-  o.step = step;
+  py::object clip_coef = py::none();
+  py::object units = py::none();
+};
+
+ga_clip_mode parse_clip(const std::string& clip) {
+  if (clip == "none") return kGaClipNone;
+  if (clip == "global_norm") return kGaClipGlobalNorm;
+  if (clip == "agc") return kGaClipAgc;
+  throw py::value_error("clip must be 'none', 'global_norm' or 'agc', got '" + clip + "'");
+}
+
+const char* optimizer_name(ga_optimizer o) {
+  switch (o) {
+    case kGaOptimizerSGD:
+      return "sgd";
+    case kGaOptimizerAdam:
+      return "adam";
+    case kGaOptimizerAdamW:
+      return "adamw";
+    default:
+      return "none";
+  }
+}
+
+const char* clip_name(ga_clip_mode c) {
+  return c == kGaClipGlobalNorm ? "global_norm" : c == kGaClipAgc ? "agc" : "none";
+}
+
+py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
+               py::handle grads_out, const ApplyOptions& options, uintptr_t stream,
+               const py::object& stats_out) {
+  ga_apply_options o = options.o;
+  o.clip_coef = nullptr;
+  o.units = nullptr;
+  const py::object& clip_coef = options.clip_coef;
+  const py::object& units = options.units;
   const bool update = o.optimizer != kGaOptimizerNone;
   auto empty = py::list();
   auto p = import_list(params.is_none() ? empty : params, "params", update);
@@ -368,13 +375,42 @@ PYBIND11_MODULE(_C, m) {
         py::arg("layout"), py::arg("stream") = 0);
   m.def("adaptive_clip", &adaptive_clip, py::arg("params"), py::arg("grads"), py::arg("units"),
         py::arg("clip_factor"), py::arg("eps"), py::arg("stream") = 0);
+  py::class_<ApplyOptions> opts(m, "ApplyOptions",
+                                "ga_apply_options (apply.h), field for field; strings for enums");
+  opts.def(py::init<>())
+      .def_property(
+          "optimizer", [](const ApplyOptions& a) { return optimizer_name(a.o.optimizer); },
+          [](ApplyOptions& a, const std::string& v) { a.o.optimizer = parse_optimizer(v); })
+      .def_property(
+          "clip", [](const ApplyOptions& a) { return clip_name(a.o.clip); },
+          [](ApplyOptions& a, const std::string& v) { a.o.clip = parse_clip(v); })
+      .def_readwrite("clip_coef", &ApplyOptions::clip_coef)
+      .def_readwrite("units", &ApplyOptions::units);
+  // Every number of the C struct, under its C name, as its C type (int flags as bool).
+#define GA_APPLY_OPTION(field, type)                                              \
+  opts.def_property(                                                              \
+      #field, [](const ApplyOptions& a) { return static_cast<type>(a.o.field); }, \
+      [](ApplyOptions& a, type v) { a.o.field = v; })
+  GA_APPLY_OPTION(grad_scale, double);
+  GA_APPLY_OPTION(max_norm, double);
+  GA_APPLY_OPTION(clip_factor, double);
+  GA_APPLY_OPTION(agc_eps, double);
+  GA_APPLY_OPTION(skip_nonfinite, bool);
+  GA_APPLY_OPTION(reset, bool);
+  GA_APPLY_OPTION(lr, double);
+  GA_APPLY_OPTION(weight_decay, double);
+  GA_APPLY_OPTION(maximize, bool);
+  GA_APPLY_OPTION(momentum, double);
+  GA_APPLY_OPTION(dampening, double);
+  GA_APPLY_OPTION(nesterov, bool);
+  GA_APPLY_OPTION(momentum_initialized, bool);
+  GA_APPLY_OPTION(beta1, double);
+  GA_APPLY_OPTION(beta2, double);
+  GA_APPLY_OPTION(adam_eps, double);
+  GA_APPLY_OPTION(step, int64_t);
+#undef GA_APPLY_OPTION
   m.def("apply", &apply, py::arg("params"), py::arg("accumulators"), py::arg("state1"),
-        py::arg("state2"), py::arg("grads_out"), py::arg("optimizer"), py::arg("grad_scale"),
-        py::arg("clip"), py::arg("max_norm"), py::arg("clip_coef"), py::arg("clip_factor"),
-        py::arg("agc_eps"), py::arg("units"), py::arg("skip_nonfinite"), py::arg("reset"),
-        py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"), py::arg("momentum"),
-        py::arg("dampening"), py::arg("nesterov"), py::arg("momentum_initialized"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"), py::arg("stream") = 0,
+        py::arg("state2"), py::arg("grads_out"), py::arg("options"), py::arg("stream") = 0,
         py::arg("stats_out") = py::none());
   m.def("bn_moments", &bn_moments, py::arg("x"), py::arg("outer"), py::arg("channels"),
         py::arg("inner"), py::arg("mean"), py::arg("m2"));
