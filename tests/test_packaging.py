@@ -119,3 +119,14 @@ def test_sdist_builds_everything_and_carries_the_license():
         assert required in names, required
     assert not [n for n in names if n.endswith((".so", ".pyd"))]
     assert not [n for n in names if n.startswith((".github/", "build/", "dist/"))]
+
+
+def test_wheel_test_command_runs_test_files_that_exist():
+    """cibuildwheel tests every wheel with the core's test files named in pyproject; a renamed
+    file would break only the release workflow (which runs on GitHub, not in .ci/run)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    command = pyproject["tool"]["cibuildwheel"]["test-command"]
+    files = re.findall(r"\{project\}/(tests/\S+\.py)", command)
+    assert len(files) >= 5, command
+    missing = [f for f in files if not (ROOT / f).is_file()]
+    assert not missing, f"test-command names missing files: {missing}"
