@@ -1,0 +1,145 @@
+"""One table of accumulation cycles, run through every path that accumulates.
+
+Each scenario is a sequence of micro-steps (a gradient per parameter, as given to the wrapper)
+and flushes, with the wrapper's options, and an fp64 NumPy reference of what the parameters must
+be afterwards under plain SGD. The PyTorch adapter (``tests/torch/test_cycle_table.py``) and the
+Keras wrapper on each backend and path (``tests/keras/test_keras_cycle_table.py``, run once per
+``KERAS_BACKEND``) replay the same table against the same reference, so the semantics of a cycle
+(mean, sum, running mean, a short cycle, a dropped non-finite cycle, global-norm clipping, AGC)
+are written once here and held identical across paths.
+
+The parameters are a dense layer's: ``kernel`` of shape (IN, OUT) in Keras's layout (torch gets
+its transpose, (OUT, IN), so that both frameworks' AGC units are the OUT output units) and
+``bias`` of shape (OUT,).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+IN, OUT = 3, 4
+LR = 0.1
+TOL = 2e-6  # max |Δw| against the fp64 reference: float32 accumulation and update of O(1) values
+
+FLUSH = "flush"
+
+
+@dataclass
+class Scenario:
+    name: str
+    steps: list  # micro-steps: (kernel_grad, bias_grad) tuples, or FLUSH
+    accum_steps: int = 4
+    reduction: str = "mean"
+    max_grad_norm: float | None = None
+    use_agc: bool = False
+    clip_factor: float = 0.01
+    eps: float = 1e-3
+    nonfinite_cycles: int = 0  # cycles dropped as non-finite (each warns once in the table)
+    expected: tuple = field(default=(), repr=False)  # (kernel, bias) in fp64
+
+
+def initial_params() -> tuple[np.ndarray, np.ndarray]:
+    r = np.random.default_rng(7)
+    kernel = r.uniform(-1, 1, (IN, OUT)).astype(np.float32)
+    bias = r.uniform(-0.5, 0.5, OUT).astype(np.float32)
+    return kernel, bias
+
+
+def _grads(seed: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    r = np.random.default_rng(100 + seed)
+    return (
+        (r.standard_normal((IN, OUT)) * scale).astype(np.float32),
+        (r.standard_normal(OUT) * scale).astype(np.float32),
+    )
+
+
+def _f64(g):
+    return [np.asarray(x, np.float64) for x in g]
+
+
+def _agc(params, grads, clip_factor, eps):
+    """AGC per output unit: kernel columns (Keras layout), the bias as one unit."""
+    out = []
+    for p, g in zip(params, grads):
+        if p.ndim == 2:
+            pn = np.maximum(np.sqrt((p**2).sum(axis=0, keepdims=True)), eps)
+            gn = np.sqrt((g**2).sum(axis=0, keepdims=True))
+        else:
+            pn = np.maximum(np.sqrt((p**2).sum()), eps)
+            gn = np.sqrt((g**2).sum())
+        max_norm = pn * clip_factor
+        coef = np.where(gn > max_norm, max_norm / np.maximum(gn, 1e-6), 1.0)
+        out.append(g * coef)
+    return out
+
+
+def _reference(s: Scenario) -> tuple[np.ndarray, np.ndarray]:
+    params = _f64(initial_params())
+    cycle: list = []
+
+    def boundary():
+        if not cycle:
+            return
+        grads = [sum(g[i] for g in cycle) for i in range(2)]
+        if s.reduction in ("mean", "running_mean"):
+            grads = [g / len(cycle) for g in grads]
+        if not all(np.isfinite(g).all() for g in grads):
+            cycle.clear()
+            return
+        if s.max_grad_norm is not None:
+            norm = np.sqrt(sum((g**2).sum() for g in grads))
+            grads = [g * min(1.0, s.max_grad_norm / (norm + 1e-6)) for g in grads]
+        if s.use_agc:
+            grads = _agc(params, grads, s.clip_factor, s.eps)
+        for p, g in zip(params, grads):
+            p -= LR * g
+        cycle.clear()
+
+    for step in s.steps:
+        if step == FLUSH:
+            boundary()
+            continue
+        cycle.append(_f64(step))
+        if len(cycle) == s.accum_steps:
+            boundary()
+    return params[0], params[1]
+
+
+def _scenarios() -> list[Scenario]:
+    g = [_grads(i) for i in range(12)]
+    nan = (g[5][0].copy(), g[5][1].copy())
+    nan[0][1, 2] = np.nan
+    out = [
+        Scenario("mean", g[:8]),
+        Scenario("sum", g[:8], reduction="sum"),
+        Scenario("running_mean", g[:8], reduction="running_mean"),
+        Scenario("short-cycle-flush", g[:6] + [FLUSH] + g[6:10]),
+        Scenario("sum-short-cycle-flush", g[:6] + [FLUSH], reduction="sum"),
+        Scenario("running-mean-short-cycle-flush", g[:7] + [FLUSH], reduction="running_mean"),
+        Scenario("one-step-cycles", g[:3], accum_steps=1),
+        Scenario("nonfinite-cycle-dropped", g[:5] + [nan] + g[6:12], nonfinite_cycles=1),
+        Scenario("global-norm-clip", g[:8], max_grad_norm=0.5),
+        Scenario("global-norm-no-clip", g[:8], max_grad_norm=100.0),
+        Scenario("agc", [_grads(i, 5.0) for i in range(8)], use_agc=True, clip_factor=0.05),
+        Scenario("agc-short-cycle", g[:3] + [FLUSH], use_agc=True, clip_factor=0.02),
+    ]
+    for s in out:
+        s.expected = _reference(s)
+    return out
+
+
+SCENARIOS = _scenarios()
+
+
+def check(s: Scenario, kernel: np.ndarray, bias: np.ndarray) -> None:
+    """Raise AssertionError unless (kernel, bias) match the scenario's fp64 reference."""
+    for got, want, what in ((kernel, s.expected[0], "kernel"), (bias, s.expected[1], "bias")):
+        got = np.asarray(got, np.float64)
+        assert got.shape == want.shape, what
+        err = np.abs(got - want).max()
+        assert err <= TOL, f"{s.name}: {what} is {err:.3e} from the fp64 reference (tol {TOL})"
+    # The scenario moved the parameters: a path that applied nothing would not pass.
+    start = initial_params()
+    assert np.abs(s.expected[0] - start[0]).max() > 100 * TOL

@@ -1,0 +1,53 @@
+"""The shared cycle table (tests/cycle_table.py) through the Keras wrapper on this backend.
+
+On the torch backend both paths run: the C++ core on torch tensors and the generic one that hands
+the averaged gradient to the inner optimizer; on TensorFlow and JAX, the backend's own path.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import keras
+import pytest
+from keras_helpers import BACKEND
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cycle_table import FLUSH, LR, SCENARIOS, check, initial_params  # noqa: E402
+
+from gradient_accumulator import NonFiniteGradientWarning  # noqa: E402
+from gradient_accumulator.keras import GradientAccumulateOptimizer  # noqa: E402
+
+PATHS = ["core", "generic"] if BACKEND == "torch" else ["backend"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("s", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_cycle_table_through_the_keras_wrapper(s, path):
+    kernel_init, bias_init = initial_params()
+    kernel = keras.Variable(kernel_init, name="kernel")
+    bias = keras.Variable(bias_init, name="bias")
+    clip = {} if s.max_grad_norm is None else {"global_clipnorm": s.max_grad_norm}
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.SGD(LR),
+        accum_steps=s.accum_steps,
+        reduction=s.reduction.upper(),
+        use_agc=s.use_agc,
+        clip_factor=s.clip_factor,
+        eps=s.eps,
+        agc_exclude=None,  # the table clips every parameter (both adapters exclude "final")
+        use_core={"core": True, "generic": False}.get(path),
+        **clip,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NonFiniteGradientWarning)
+        for step in s.steps:
+            if step == FLUSH:
+                opt.flush()
+                continue
+            opt.apply([keras.ops.convert_to_tensor(g) for g in step], [kernel, bias])
+    dropped = [w for w in caught if issubclass(w.category, NonFiniteGradientWarning)]
+    assert len(dropped) == s.nonfinite_cycles
+    check(s, keras.ops.convert_to_numpy(kernel), keras.ops.convert_to_numpy(bias))
