@@ -15,9 +15,13 @@ its transpose, (OUT, IN), so that both frameworks' AGC units are the OUT output 
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from gradient_accumulator import NonFiniteGradientWarning
 
 IN, OUT = 3, 4
 LR = 0.1
@@ -131,6 +135,19 @@ def _scenarios() -> list[Scenario]:
 
 
 SCENARIOS = _scenarios()
+
+
+def replay(s: Scenario, micro_step: Callable[[tuple], None], flush: Callable[[], None]) -> int:
+    """Feed the scenario to a wrapper: ``micro_step(grads)`` per micro-step, ``flush()`` where the
+    table flushes. Returns how many non-finite cycles the wrapper reported (warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NonFiniteGradientWarning)
+        for step in s.steps:
+            if step == FLUSH:
+                flush()
+            else:
+                micro_step(step)
+    return sum(issubclass(w.category, NonFiniteGradientWarning) for w in caught)
 
 
 def check(s: Scenario, kernel: np.ndarray, bias: np.ndarray) -> None:

@@ -525,10 +525,7 @@ ga_status unitwise_norm(B& b, ga_tensor tensor, ga_units units, ga_tensor norms)
 }
 
 inline ApplyScalars apply_scalars(const ga_apply_options& o) {
-  ApplyScalars k{};
-  static_cast<formulas::OptimizerScalars<float>&>(k) = formulas::optimizer_scalars<float>(o);
-  k.grad_scale = o.grad_scale;
-  return k;
+  return ApplyScalars{formulas::optimizer_scalars<float>(o), o.grad_scale};
 }
 
 /// Launch the apply for one group: pick the template variant from the runtime flags.

@@ -82,12 +82,35 @@ ga_accumulate_mode parse_mode(const std::string& mode) {
   throw py::value_error("mode must be 'sum', 'mean' or 'running_mean', got '" + mode + "'");
 }
 
-ga_optimizer parse_optimizer(const std::string& name) {
-  if (name == "none") return kGaOptimizerNone;
-  if (name == "sgd") return kGaOptimizerSGD;
-  if (name == "adam") return kGaOptimizerAdam;
-  if (name == "adamw") return kGaOptimizerAdamW;
-  throw py::value_error("optimizer must be 'none', 'sgd', 'adam' or 'adamw', got '" + name + "'");
+/// A C enum's values as Python spells them: one table per enum serves both directions.
+template <typename E>
+struct EnumName {
+  const char* name;
+  E value;
+};
+
+constexpr EnumName<ga_optimizer> kOptimizerNames[] = {{"none", kGaOptimizerNone},
+                                                      {"sgd", kGaOptimizerSGD},
+                                                      {"adam", kGaOptimizerAdam},
+                                                      {"adamw", kGaOptimizerAdamW}};
+constexpr EnumName<ga_clip_mode> kClipNames[] = {
+    {"none", kGaClipNone}, {"global_norm", kGaClipGlobalNorm}, {"agc", kGaClipAgc}};
+
+template <typename E, size_t N>
+E enum_from_name(const EnumName<E> (&table)[N], const std::string& name, const char* what) {
+  std::string choices;
+  for (size_t i = 0; i < N; ++i) {
+    if (name == table[i].name) return table[i].value;
+    choices += std::string(i == 0 ? "'" : i + 1 == N ? " or '" : ", '") + table[i].name + "'";
+  }
+  throw py::value_error(std::string(what) + " must be " + choices + ", got '" + name + "'");
+}
+
+template <typename E, size_t N>
+const char* enum_name(const EnumName<E> (&table)[N], E value) {
+  for (const EnumName<E>& e : table)
+    if (e.value == value) return e.name;
+  return table[0].name;
 }
 
 std::vector<ga_units> parse_units(const py::object& units, size_t n) {
@@ -211,30 +234,6 @@ struct ApplyOptions {
   py::object clip_coef = py::none();
   py::object units = py::none();
 };
-
-ga_clip_mode parse_clip(const std::string& clip) {
-  if (clip == "none") return kGaClipNone;
-  if (clip == "global_norm") return kGaClipGlobalNorm;
-  if (clip == "agc") return kGaClipAgc;
-  throw py::value_error("clip must be 'none', 'global_norm' or 'agc', got '" + clip + "'");
-}
-
-const char* optimizer_name(ga_optimizer o) {
-  switch (o) {
-    case kGaOptimizerSGD:
-      return "sgd";
-    case kGaOptimizerAdam:
-      return "adam";
-    case kGaOptimizerAdamW:
-      return "adamw";
-    default:
-      return "none";
-  }
-}
-
-const char* clip_name(ga_clip_mode c) {
-  return c == kGaClipGlobalNorm ? "global_norm" : c == kGaClipAgc ? "agc" : "none";
-}
 
 py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
                py::handle grads_out, const ApplyOptions& options, uintptr_t stream,
@@ -379,11 +378,16 @@ PYBIND11_MODULE(_C, m) {
                                 "ga_apply_options (apply.h), field for field; strings for enums");
   opts.def(py::init<>())
       .def_property(
-          "optimizer", [](const ApplyOptions& a) { return optimizer_name(a.o.optimizer); },
-          [](ApplyOptions& a, const std::string& v) { a.o.optimizer = parse_optimizer(v); })
+          "optimizer",
+          [](const ApplyOptions& a) { return enum_name(kOptimizerNames, a.o.optimizer); },
+          [](ApplyOptions& a, const std::string& v) {
+            a.o.optimizer = enum_from_name(kOptimizerNames, v, "optimizer");
+          })
       .def_property(
-          "clip", [](const ApplyOptions& a) { return clip_name(a.o.clip); },
-          [](ApplyOptions& a, const std::string& v) { a.o.clip = parse_clip(v); })
+          "clip", [](const ApplyOptions& a) { return enum_name(kClipNames, a.o.clip); },
+          [](ApplyOptions& a, const std::string& v) {
+            a.o.clip = enum_from_name(kClipNames, v, "clip");
+          })
       .def_readwrite("clip_coef", &ApplyOptions::clip_coef)
       .def_readwrite("units", &ApplyOptions::units);
   // Every number of the C struct, under its C name, as its C type (int flags as bool).
