@@ -17,6 +17,26 @@ FEATURES, HIDDEN, OUTPUTS = 6, 8, 3
 # Equivalence tolerance of the issue: max|Δw| / max|w| in float32.
 TOL = 1e-5
 OPTIMIZERS = ("SGD", "SGD-momentum", "Adam", "AdamW", "RMSprop")
+_STRATEGIES: dict = {}
+
+
+def mirrored(replicas: int):
+    """The process's one ``tf.distribute.MirroredStrategy`` over ``replicas`` logical CPUs.
+
+    Shared by every test: TensorFlow's collective instance keys restart with each new strategy,
+    so two strategies over the same devices in one process can pair a reduction of one model
+    with another's (measured: "Shape mismatch in the collective instance", which then aborts
+    every later collective; whether a run hit it depended on which tests ran before).
+    """
+    import tensorflow as tf
+
+    if replicas not in _STRATEGIES:
+        _STRATEGIES[replicas] = tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(replicas)]
+        )
+    strategy = _STRATEGIES[replicas]
+    assert strategy.num_replicas_in_sync == replicas
+    return strategy
 
 
 def data(n: int = 64, seed: int = 0, features: int = FEATURES, outputs: int = OUTPUTS):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from keras_helpers import BACKEND, TOL, data, flat, make_inner, mlp, rel_diff
+from keras_helpers import BACKEND, TOL, data, flat, make_inner, mirrored, mlp, rel_diff
 
 from gradient_accumulator.keras import (
     FlushAccumulation,
@@ -59,27 +59,11 @@ def _big_batch(multi, n=64, epochs=2):
     return flat(model)
 
 
-_STRATEGIES = {}
-
-
 def _strategy(replicas):
-    """The default strategy (0) or a MirroredStrategy over ``replicas`` logical CPUs.
-
-    One strategy object per replica count for the whole module: TensorFlow's collective
-    instance keys restart with each new strategy, and two strategies over the same devices in
-    one process can pair a reduction of one model with another's.
-    """
+    """The default strategy (0) or the shared MirroredStrategy over ``replicas`` logical CPUs."""
     import tensorflow as tf
 
-    if replicas == 0:
-        return tf.distribute.get_strategy()
-    if replicas not in _STRATEGIES:
-        _STRATEGIES[replicas] = tf.distribute.MirroredStrategy(
-            [f"/cpu:{i}" for i in range(replicas)]
-        )
-    strategy = _STRATEGIES[replicas]
-    assert strategy.num_replicas_in_sync == replicas
-    return strategy
+    return tf.distribute.get_strategy() if replicas == 0 else mirrored(replicas)
 
 
 @tf_only
