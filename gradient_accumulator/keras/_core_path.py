@@ -107,9 +107,7 @@ def _scalar(var: Any) -> float:
 def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
     """One micro-step: accumulate through the core; the cycle's last one also updates."""
     plan = _plan(opt)
-    if [id(v) for v in variables] != [id(v) for v in opt._trainable_variables]:
-        index = {id(v): i for i, v in enumerate(variables)}
-        grads = [grads[index[id(v)]] if id(v) in index else None for v in opt._trainable_variables]
+    del variables  # the wrapper's own, in its order: ``grads`` follows it
     tensors = []
     for g, acc in zip(grads, plan.accs):
         if g is None:
@@ -117,6 +115,12 @@ def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
         tensors.append(g.detach().contiguous())
     micro = int(opt._micro_step.value.item())
     first = micro == 0
+    seen = opt._seen.value
+    if all(g is not None for g in grads):
+        seen.fill_(1.0)
+    else:
+        mask = torch.tensor([float(g is not None) for g in grads], device=seen.device)
+        seen.copy_(mask if first else torch.maximum(seen, mask))
     weight = 1.0 if opt.reduction == "SUM" else _scalar(opt._batch_weight)
     before = 0.0 if first else _scalar(opt._total_weight)
     result = core.accumulate(
@@ -137,11 +141,11 @@ def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
     opt._micro_step.assign(micro + 1)
     opt._iterations.assign_add(1)
     if micro + 1 >= opt.accum_steps:
-        boundary(opt, opt._trainable_variables)
+        boundary(opt)
 
 
 @torch.no_grad()
-def boundary(opt: Any, variables: list[Any]) -> None:
+def boundary(opt: Any) -> None:
     """End of cycle: one fused update (or the inner optimizer's), then reset the counters."""
     plan = _plan(opt)
     total = _scalar(opt._total_weight)
@@ -164,10 +168,17 @@ def boundary(opt: Any, variables: list[Any]) -> None:
     elif dropped:
         opt._skipped.assign(int(opt._skipped.value.item()) + 1)
     else:
-        if plan.kind == "none":
-            _generic_update(opt, plan, variables, scale)
+        # A variable without a gradient in the whole cycle is left alone, as plain Keras does.
+        seen = opt._seen.value.tolist()
+        keep = [i for i, flag in enumerate(seen) if flag > 0]
+        if len(keep) == len(seen):
+            groups = plan.groups
         else:
-            _fused_update(opt, plan, scale)
+            groups = [g for g in (_subgroup(g, keep) for g in plan.groups) if g.index]
+        if groups and plan.kind == "none":
+            _generic_update(opt, plan, groups, scale)
+        elif groups:
+            _fused_update(opt, plan, groups, scale)
         if opt.mixed_precision:
             growth = int(opt._growth.value.item()) + 1
             if growth >= opt.dynamic_growth_steps:
@@ -187,15 +198,23 @@ def _finite_result(accs: list[torch.Tensor], scale: float) -> bool:
     return math.isfinite(sumsq) and math.sqrt(sumsq) * abs(scale) <= _FLT_MAX
 
 
+def _subgroup(group: _Group, keep: list[int]) -> _Group:
+    """``group`` restricted to the variables in ``keep``."""
+    kept = set(keep)
+    pos = [j for j, i in enumerate(group.index) if i in kept]
+    units = None if group.units is None else [group.units[j] for j in pos]
+    return _Group([group.index[j] for j in pos], group.agc, group.weight_decay, units)
+
+
 def _pick(values: list[Any] | None, index: list[int]) -> list[Any] | None:
     return None if values is None else [values[i] for i in index]
 
 
-def _fused_update(opt: Any, plan: _Plan, scale: float) -> None:
+def _fused_update(opt: Any, plan: _Plan, groups: list[_Group], scale: float) -> None:
     inner = opt.optimizer
     lr = float(keras.ops.convert_to_numpy(inner.learning_rate))
     step = int(keras.ops.convert_to_numpy(inner.iterations)) + 1
-    for group in plan.groups:
+    for group in groups:
         common = dict(
             lr=lr,
             grad_scale=scale,
@@ -229,8 +248,8 @@ def _fused_update(opt: Any, plan: _Plan, scale: float) -> None:
     inner._iterations.assign_add(1)
 
 
-def _generic_update(opt: Any, plan: _Plan, variables: list[Any], scale: float) -> None:
-    for group in plan.groups:
+def _generic_update(opt: Any, plan: _Plan, groups: list[_Group], scale: float) -> None:
+    for group in groups:
         core.apply(
             _pick(plan.params, group.index) if group.agc else None,
             _pick(plan.accs, group.index),
@@ -242,8 +261,9 @@ def _generic_update(opt: Any, plan: _Plan, variables: list[Any], scale: float) -
             layout=group.units if group.agc else "trailing",
             reset=False,
         )
-    grads = opt._clip_gradients(list(plan.accs))
-    grads = [g.to(v.value.dtype) for g, v in zip(grads, opt._trainable_variables)]
+    keep = sorted(i for group in groups for i in group.index)
+    variables = [opt._trainable_variables[i] for i in keep]
+    grads = opt._clip_gradients([plan.accs[i] for i in keep])
+    grads = [g.to(v.value.dtype) for g, v in zip(grads, variables)]
     # The accumulators now hold the final gradients; the next micro-step overwrites them.
-    opt.optimizer.apply(grads, opt._trainable_variables)
-    del variables
+    opt.optimizer.apply(grads, variables)

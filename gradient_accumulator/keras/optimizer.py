@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
@@ -112,6 +114,25 @@ def _after(tensors: Sequence[Any]) -> Any:
     import tensorflow as tf
 
     return tf.control_dependencies([t for t in tensors if tf.is_tensor(t)])
+
+
+def _concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
+    if _BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        traced = not tf.executing_eagerly()
+    elif _BACKEND == "jax":
+        import jax
+
+        traced = isinstance(value, jax.core.Tracer)
+    elif _BACKEND == "torch":
+        import torch
+
+        traced = torch.compiler.is_compiling()
+    else:
+        traced = True
+    return None if traced else np.asarray(ops.convert_to_numpy(value))
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -277,6 +298,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._static_scale = inner.loss_scale_factor
         inner.loss_scale_factor = None
         self._core_plan = None
+        self._build_strategy = None  # the tf.distribute strategy of build(), if any
 
     # ----------------------------------------------------------------------------- properties
 
@@ -432,6 +454,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 ),
             )
         strategy = _strategy()
+        self._build_strategy = strategy
         self._accumulators = []
         for v in var_list:
             path = getattr(v, "path", v.name).replace("/", "_")
@@ -452,6 +475,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     )
                 self._track_variable(acc)
             self._accumulators.append(acc)
+        # 1.0 for each variable that had a gradient in the current cycle: one without any is
+        # left alone at the boundary, as plain Keras leaves a variable whose gradient is None.
+        self._seen = self.add_variable(
+            shape=(len(var_list),),
+            dtype="float32",
+            initializer="zeros",
+            aggregation="only_first_replica",
+            name="seen",
+        )
 
     def _resolve_agc_mask(self, var_list: list[Any]) -> list[bool]:
         """True for each variable AGC clips."""
@@ -524,6 +556,44 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
 
     @staticmethod
+    def _seen_after(seen: Any, present: Sequence[bool], first: Any) -> Any:
+        """The seen flags after a micro-step in which ``present`` variables have a gradient."""
+        mask = ops.convert_to_tensor(np.asarray(present, "float32"))
+        return ops.where(first, mask, ops.maximum(seen, mask))
+
+    @staticmethod
+    def _seen_choice(seen: Any, present: Sequence[bool]) -> tuple[Any, list[int], list[int]]:
+        """``(pred, if_true, if_false)``: the indices of the variables the boundary updates.
+
+        Those with a gradient in the cycle (``seen``, after the current micro-step); a variable
+        without any is left alone, optimizer state included. On concrete values the choice is
+        exact and static. In a traced function only the variables absent from the traced call
+        (``present`` False, a trace-time fact) can be unseen: they are updated as a group if any
+        of them had a gradient earlier in the cycle (from another traced function), else left
+        out. (So only a cycle mixing functions with different missing gradients can update an
+        unseen variable, with a zero gradient.)
+        """
+        everything = list(range(len(present)))
+        if all(present):  # every variable has a gradient now: nothing to read
+            return True, everything, everything
+        values = _concrete(seen)
+        if values is not None:
+            keep = [i for i in everything if values[i] > 0]
+            return True, keep, keep
+        absent = [i for i in everything if not present[i]]
+        others = [i for i in everything if present[i]]
+        pred = ops.any(ops.greater(ops.take(seen, np.asarray(absent, "int32")), 0.0))
+        return pred, everything, others
+
+    @staticmethod
+    def _on_choice(choice: tuple[Any, list[int], list[int]], update: Any) -> Any:
+        """``update(indices)`` for the variables ``choice`` (from :meth:`_seen_choice`) picks."""
+        pred, if_true, if_false = choice
+        if isinstance(pred, bool):
+            return update(if_true if pred else if_false)
+        return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
+
+    @staticmethod
     def _dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         out = []
         for g, v in zip(grads, variables):
@@ -551,8 +621,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Fold one micro-batch of gradients in; update through the inner optimizer at the boundary.
 
         Args:
-            grads: one gradient per variable (None counts as zero).
+            grads: one gradient per variable; None for a variable without one (it counts as
+                zero in the cycle's mean, and a variable without any in the whole cycle is not
+                updated).
             trainable_variables: the variables; on the first call they build the optimizer.
+                Later calls may pass a subset of them: the others have no gradient this time.
         """
         if trainable_variables is None:
             if not self.built:
@@ -569,10 +642,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
+        if [id(v) for v in trainable_variables] != [id(v) for v in self._trainable_variables]:
+            # A variable left out of the call has no gradient in this micro-step.
+            by_id = {id(v): g for g, v in zip(grads, trainable_variables)}
+            trainable_variables = self._trainable_variables
+            grads = [by_id.get(id(v)) for v in trainable_variables]
         overwrite = self._overwrite_maxima(grads, trainable_variables, self._micro_step)
         core_path = _BACKEND == "torch" and not overwrite and self._core_enabled()
         if _BACKEND == "jax":
-            self._jax_stateful(grads, trainable_variables)
+            self._jax_stateful(grads)
         elif core_path:
             from gradient_accumulator.keras import _core_path
 
@@ -634,14 +712,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     # Stateful path (TensorFlow graphs and replicas, eager PyTorch without the core). --------
 
     def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
+        present = [g is not None for g in grads]
         grads = self._dense(grads, variables)
-        self._stateful_fold(grads, variables)
+        self._stateful_fold(grads, variables, present)
         # Every op below reads a counter written after the batch, so it is ordered after it.
-        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables)
+        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
 
-    def _stateful_fold(self, grads: list[Any], variables: list[Any]) -> None:
+    def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         first = ops.equal(self._micro_step, 0)
+        self._seen.assign(self._seen_after(self._seen.value, present, first))
         w = self._weight(self._batch_weight)
         w_before = ops.where(first, 0.0, self._total_weight)
         for acc, value in zip(accs, self._fold([a.value for a in accs], grads, first, w, w_before)):
@@ -654,8 +734,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._micro_step.assign_add(1)
             self._iterations.assign_add(1)
 
-    def _end_cycle(self, boundary: Any, variables: list[Any]) -> None:
+    def _end_cycle(self, boundary: Any, variables: list[Any], present: list[bool]) -> None:
         """If ``boundary``: update (unless the cycle was non-finite), rescale, reset counters.
+
+        ``present``: which variables have a gradient in the current call (see ``_seen_choice``).
 
         Only the inner update sits in a conditional; the counters and the loss scale are
         selected outside it, so no replica synchronisation happens inside a branch.
@@ -679,6 +761,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         checks = self.mixed_precision or drops
         merged = strategy is not None and not _no_merge_call()
+        pred, if_true, if_false = self._seen_choice(self._seen.value, present)
         if strategy is not None and checks and not merged:
             import tensorflow as tf
 
@@ -692,7 +775,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if merged:
             import tensorflow as tf
 
-            def cross_replica(distribution: Any, boundary: Any, local: Any) -> Any:
+            def cross_replica(distribution: Any, boundary: Any, local: Any, pred: Any) -> Any:
                 # The replicas' verdicts are summed here, in the cross-replica context (an
                 # all-reduce inside a replica's conditional would need a merge_call there),
                 # and only at the boundary: no collective on the other micro-steps.
@@ -705,22 +788,41 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                         lambda: ops.convert_to_tensor(0.0, "float32"),
                     )
                     skip = ops.greater(total, 0.0)
-                ops.cond(
-                    ops.logical_and(at_boundary, ops.logical_not(skip)),
-                    lambda: distribution.extended.call_for_each_replica(
-                        self._inner_update, args=(variables,)
-                    ),
-                    lambda: None,
-                )
+                go = ops.logical_and(at_boundary, ops.logical_not(skip))
+                # The seen-flags choice is made here too, in the cross-replica context: an
+                # inner update (which synchronises the replicas) cannot sit in a conditional
+                # of a replica's.
+                if isinstance(pred, bool):
+                    choices = [(go, if_true if pred else if_false)]
+                else:
+                    first = distribution.experimental_local_results(pred)[0]
+                    choices = [
+                        (ops.logical_and(go, first), if_true),
+                        (ops.logical_and(go, ops.logical_not(first)), if_false),
+                    ]
+                for when, keep in choices:
+                    ops.cond(
+                        when,
+                        lambda keep=keep: distribution.extended.call_for_each_replica(
+                            self._inner_update, args=(variables, keep)
+                        ),
+                        lambda: None,
+                    )
                 return skip
 
             skip = tf.distribute.get_replica_context().merge_call(
-                cross_replica, args=(boundary, nonfinite)
+                cross_replica, args=(boundary, nonfinite, pred)
             )
         else:
             skip = ops.greater(nonfinite, 0.0) if checks else False
             do_update = ops.logical_and(boundary, ops.logical_not(skip))
-            ops.cond(do_update, lambda: self._inner_update(variables), lambda: None)
+            ops.cond(
+                do_update,
+                lambda: self._on_choice(
+                    (pred, if_true, if_false), lambda keep: self._inner_update(variables, keep)
+                ),
+                lambda: None,
+            )
         if self.mixed_precision:
             scale, growth = self._grown_scale(self._loss_scale.value, self._growth.value)
             scale = ops.where(skip, self._loss_scale * 0.5, scale)
@@ -736,8 +838,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
         self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
 
-    def _inner_update(self, variables: list[Any]) -> None:
-        """The inner optimizer's update with the cycle's averaged gradient (replica context)."""
+    def _inner_update(self, variables: list[Any], keep: list[int]) -> None:
+        """The inner optimizer's update of ``variables[keep]`` with the cycle's averaged
+        gradient (replica context)."""
+        if not keep:
+            return
+        variables = [variables[i] for i in keep]
         accs = [self._accumulators[self._get_variable_index(v)].value for v in variables]
         strategy = _strategy()
         clips = self.use_agc or any(
@@ -768,12 +874,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         own = {name: values[id(getattr(self, f"_{name}"))] for name in _SCALARS}
         own["iterations"] = values[id(self._iterations)]
         own["accs"] = [values[id(a)] for a in self._accumulators]
+        own["seen"] = values[id(self._seen)]
         return own
 
     def _pack(self, optimizer_variables: Sequence[Any], own: dict, inner: Sequence[Any]) -> list:
         by_id = {id(getattr(self, f"_{name}")): own[name] for name in _SCALARS}
         by_id[id(self._iterations)] = own["iterations"]
         by_id.update({id(a): v for a, v in zip(self._accumulators, own["accs"])})
+        by_id[id(self._seen)] = own["seen"]
         out = [by_id.get(id(v), val) for v, val in zip(self._variables, optimizer_variables)]
         return out + list(inner)
 
@@ -798,9 +906,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         overwrite = self._overwrite_maxima(
             grads, self._trainable_variables, own["micro_step"], own["accs"]
         )
+        present = [g is not None for g in grads]
         grads = self._dense(grads, self._trainable_variables)
 
         first = ops.equal(own["micro_step"], 0)
+        own["seen"] = self._seen_after(own["seen"], present, first)
         w = self._weight(own["batch_weight"])
         w_before = ops.where(first, 0.0, own["total_weight"])
         own["accs"] = self._fold(own["accs"], grads, first, w, w_before)
@@ -812,7 +922,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         own["iterations"] = own["iterations"] + 1
         boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
         new_tv, own, new_inner = self._stateless_cycle_end(
-            boundary, own, inner_values, trainable_variables
+            boundary, own, inner_values, trainable_variables, present
         )
         if overwrite:
             new_tv, own["accs"] = list(new_tv), list(own["accs"])
@@ -824,10 +934,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return new_tv, self._pack(optimizer_variables, own, new_inner)
 
     def _stateless_cycle_end(
-        self, boundary: Any, own: dict, inner_values: list, trainable_values: list
+        self,
+        boundary: Any,
+        own: dict,
+        inner_values: list,
+        trainable_values: list,
+        present: list[bool],
     ) -> tuple[list, dict, list]:
         """If ``boundary``: update through the inner optimizer and reset the counters."""
         carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite", "skipped")
+        # Decided outside the conditional, where the seen flags may still be concrete.
+        choice = self._seen_choice(own["seen"], present)
 
         def update() -> tuple:
             grads = self._final_grads(
@@ -837,8 +954,22 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 self._grad_scale(own["total_weight"], own["loss_scale"]),
             )
 
+            def inner_update(keep: list[int]) -> tuple[list, list]:
+                if not keep:
+                    return list(trainable_values), list(inner_values)
+                kept = set(keep)
+                with warnings.catch_warnings():
+                    # The inner optimizer drops a None gradient, as wanted, and warns.
+                    warnings.filterwarnings("ignore", message="Gradients do not exist")
+                    tv, inner = self.optimizer.stateless_apply(
+                        inner_values,
+                        [g if i in kept else None for i, g in enumerate(grads)],
+                        trainable_values,
+                    )
+                return list(tv), list(inner)
+
             def good() -> tuple:
-                tv, inner = self.optimizer.stateless_apply(inner_values, grads, trainable_values)
+                tv, inner = self._on_choice(choice, inner_update)
                 if self.mixed_precision:
                     scale, growth = self._grown_scale(own["loss_scale"], own["growth"])
                 else:
@@ -891,12 +1022,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         own.update(zip(carried, rest))
         return tv, own, inner
 
-    def _jax_stateful(self, grads: list[Any], variables: list[Any]) -> None:
-        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
-            index = {id(v): i for i, v in enumerate(variables)}
-            grads = [
-                grads[index[id(v)]] if id(v) in index else None for v in self._trainable_variables
-            ]
+    def _jax_stateful(self, grads: list[Any]) -> None:
         tv, ov = self.stateless_apply(
             [v.value for v in self.variables], grads, [v.value for v in self._trainable_variables]
         )
@@ -924,12 +1050,18 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.leftover == "carry" or self.pending() == 0:
             return False
         variables = self._trainable_variables
+        # No current call: the seen flags alone say which variables had a gradient.
+        present = list(ops.convert_to_numpy(self._seen) > 0)
         if _BACKEND == "jax":
             optimizer_values = [v.value for v in self.variables]
             own = self._own(optimizer_values)
             inner_values = optimizer_values[len(self._variables) :]
             tv, own, inner = self._stateless_cycle_end(
-                ops.convert_to_tensor(True), own, inner_values, [v.value for v in variables]
+                ops.convert_to_tensor(True),
+                own,
+                inner_values,
+                [v.value for v in variables],
+                present,
             )
             for var, value in zip(variables, tv):
                 var.assign(value)
@@ -938,16 +1070,22 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         elif _BACKEND == "torch" and self._core_enabled():
             from gradient_accumulator.keras import _core_path
 
-            _core_path.boundary(self, variables)
-        elif _strategy() is not None:
+            _core_path.boundary(self)
+        elif (_strategy() or self._build_strategy) is not None:
             import tensorflow as tf
 
-            strategy = _strategy()
-            tf.function(
-                lambda: strategy.run(self._end_cycle, args=(tf.constant(True), variables))
-            )()
+            # The strategy the accumulators were built under, even when flush() is called
+            # outside its scope: read there, replica-local accumulators would be averaged over
+            # the replicas, and the update would carry one replica's share of the gradient.
+            strategy = _strategy() or self._build_strategy
+            with strategy.scope():
+                tf.function(
+                    lambda: strategy.run(
+                        self._end_cycle, args=(tf.constant(True), variables, present)
+                    )
+                )()
         else:
-            self._end_cycle(ops.convert_to_tensor(True), variables)
+            self._end_cycle(ops.convert_to_tensor(True), variables, present)
         self.report_nonfinite()
         return True
 

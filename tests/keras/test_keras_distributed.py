@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from keras_helpers import BACKEND, TOL, data, flat, make_inner, mlp, rel_diff
+from keras_helpers import BACKEND, TOL, data, flat, make_inner, mirrored, mlp, rel_diff
 
 from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
 from gradient_accumulator.nonfinite import NonFiniteGradientWarning
@@ -52,10 +52,7 @@ def _build(wrapper, name, use_agc):
 
 def _scope():
     if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        assert strategy.num_replicas_in_sync == 2
+        strategy = mirrored(2)
         return strategy, strategy.scope()
     import contextlib
 
@@ -115,6 +112,51 @@ def test_save_and_load_under_distribution(tmp_path):
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_two_replicas_flush_a_short_last_cycle_like_the_big_batch(name):
+    """56 samples: three full cycles and a short one of two micro-batches, which the model
+    wrapper's FlushAccumulation applies at the end of each epoch, outside the strategy's scope.
+    Before the fix that flush read the replica-local accumulators outside the scope (their mean
+    over replicas) and applied half the short cycle's gradient."""
+    x, y = data()
+    x, y = x[:56], y[:56]
+    inputs, outputs = mlp()
+    ref = keras.Model(inputs, outputs)
+    ref.compile(make_inner(name), loss="mse")
+    ref.fit(x, y, batch_size=ACCUM * MICRO, epochs=2, shuffle=False, verbose=0)
+    _, scope = _scope()
+    with scope:
+        model = _build("model", name, False)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert rel_diff(flat(model), flat(ref)) <= TOL
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 8
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="replica-local state is tf.distribute's")
+def test_flush_outside_the_scope_applies_what_the_boundary_applies():
+    """Two micro-steps of G on each replica: a flush (called outside the strategy's scope)
+    gives the same update as a cycle of two reaching its boundary: the inner optimizer sums
+    the replicas' mean gradients, 2G."""
+    import tensorflow as tf
+
+    strategy = mirrored(2)
+    g = tf.constant([0.5, -0.25, 1.0])
+    out = []
+    for accum, flush in ((2, False), (4, True)):
+        with strategy.scope():
+            a = keras.Variable(np.ones(3, "float32"))
+            opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=accum)
+            opt.build([a])
+        step = tf.function(lambda: strategy.run(lambda: opt.apply([g], [a])))  # noqa: B023
+        step()
+        step()
+        if flush:
+            assert opt.flush()
+        out.append(a.numpy())
+    np.testing.assert_allclose(out[0], 1.0 - 0.1 * 2 * g.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["on_nonfinite", "loss_scale"])
