@@ -5,8 +5,9 @@ and flushes, with the wrapper's options, and an fp64 NumPy reference of what the
 be afterwards under plain SGD. The PyTorch adapter (``tests/torch/test_cycle_table.py``) and the
 Keras wrapper on each backend and path (``tests/keras/test_keras_cycle_table.py``, run once per
 ``KERAS_BACKEND``) replay the same table against the same reference, so the semantics of a cycle
-(mean, sum, running mean, a short cycle, a dropped non-finite cycle, global-norm clipping, AGC)
-are written once here and held identical across paths.
+(mean, sum, running mean, a short cycle, a dropped non-finite cycle, global-norm clipping, AGC,
+missing gradients, a resume from a checkpoint mid-cycle) are written once here and held
+identical across paths.
 
 The parameters are a dense layer's: ``kernel`` of shape (IN, OUT) in Keras's layout (torch gets
 its transpose, (OUT, IN), so that both frameworks' AGC units are the OUT output units) and
@@ -28,12 +29,13 @@ LR = 0.1
 TOL = 2e-6  # max |Δw| against the fp64 reference: float32 accumulation and update of O(1) values
 
 FLUSH = "flush"
+RESUME = "resume"  # save the wrapper's state, rebuild the wrapper and parameters, load it
 
 
 @dataclass
 class Scenario:
     name: str
-    steps: list  # micro-steps: (kernel_grad, bias_grad) tuples, or FLUSH
+    steps: list  # micro-steps: (kernel_grad, bias_grad) tuples (None: no gradient), or FLUSH/RESUME
     accum_steps: int = 4
     reduction: str = "mean"
     max_grad_norm: float | None = None
@@ -86,7 +88,12 @@ def _reference(s: Scenario) -> tuple[np.ndarray, np.ndarray]:
     def boundary():
         if not cycle:
             return
-        grads = [sum(g[i] for g in cycle) for i in range(2)]
+        # A missing gradient counts as zero; a parameter with none in the cycle is left alone
+        # (under plain SGD the same as a zero update).
+        grads = []
+        for i in range(2):
+            present = [g[i] for g in cycle if g[i] is not None]
+            grads.append(sum(present) if present else np.zeros_like(params[i]))
         if s.reduction in ("mean", "running_mean"):
             grads = [g / len(cycle) for g in grads]
         if not all(np.isfinite(g).all() for g in grads):
@@ -102,13 +109,19 @@ def _reference(s: Scenario) -> tuple[np.ndarray, np.ndarray]:
         cycle.clear()
 
     for step in s.steps:
+        if step == RESUME:
+            continue
         if step == FLUSH:
             boundary()
             continue
-        cycle.append(_f64(step))
+        cycle.append([None if x is None else np.asarray(x, np.float64) for x in step])
         if len(cycle) == s.accum_steps:
             boundary()
     return params[0], params[1]
+
+
+def _no_bias(grads: tuple) -> tuple:
+    return (grads[0], None)
 
 
 def _scenarios() -> list[Scenario]:
@@ -128,6 +141,19 @@ def _scenarios() -> list[Scenario]:
         Scenario("global-norm-no-clip", g[:8], max_grad_norm=100.0),
         Scenario("agc", [_grads(i, 5.0) for i in range(8)], use_agc=True, clip_factor=0.05),
         Scenario("agc-short-cycle", g[:3] + [FLUSH], use_agc=True, clip_factor=0.02),
+        # The bias has a gradient in 2 of the 4 micro-steps of cycle 1, in none of cycle 2.
+        Scenario(
+            "missing-gradients",
+            g[:2] + [_no_bias(g[2]), _no_bias(g[3])] + [_no_bias(x) for x in g[4:8]],
+        ),
+        Scenario(
+            "missing-gradients-running-mean", [_no_bias(g[0])] + g[1:4], reduction="running_mean"
+        ),
+        Scenario("resume-mid-cycle", g[:2] + [RESUME] + g[2:6] + [RESUME] + g[6:8]),
+        Scenario(
+            "resume-mid-cycle-missing-gradient",
+            g[:1] + [RESUME] + [_no_bias(x) for x in g[1:4]] + [RESUME] + g[4:8],
+        ),
     ]
     for s in out:
         s.expected = _reference(s)
@@ -137,13 +163,21 @@ def _scenarios() -> list[Scenario]:
 SCENARIOS = _scenarios()
 
 
-def replay(s: Scenario, micro_step: Callable[[tuple], None], flush: Callable[[], None]) -> int:
+def replay(
+    s: Scenario,
+    micro_step: Callable[[tuple], None],
+    flush: Callable[[], None],
+    resume: Callable[[], None],
+) -> int:
     """Feed the scenario to a wrapper: ``micro_step(grads)`` per micro-step, ``flush()`` where the
-    table flushes. Returns how many non-finite cycles the wrapper reported (warnings)."""
+    table flushes, ``resume()`` where it saves and reloads. Returns how many non-finite cycles
+    the wrapper reported (warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NonFiniteGradientWarning)
         for step in s.steps:
-            if step == FLUSH:
+            if step == RESUME:
+                resume()
+            elif step == FLUSH:
                 flush()
             else:
                 micro_step(step)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,24 +21,36 @@ from gradient_accumulator.torch import GradientAccumulateOptimizer  # noqa: E402
 def test_cycle_table_through_the_torch_adapter(s):
     kernel, bias = initial_params()
     # torch's Linear layout: the weight is (OUT, IN), the transpose of Keras's kernel.
-    weight = torch.nn.Parameter(torch.from_numpy(kernel.T.copy()))
-    b = torch.nn.Parameter(torch.from_numpy(bias.copy()))
-    opt = GradientAccumulateOptimizer(
-        torch.optim.SGD([weight, b], lr=LR),
-        s.accum_steps,
-        reduction=s.reduction,
-        max_grad_norm=s.max_grad_norm,
-        use_agc=s.use_agc,
-        clip_factor=s.clip_factor,
-        eps=s.eps,
-        agc_exclude=(),  # the table clips every parameter (both adapters exclude "final")
-    )
+    live = {}
+
+    def build(weight: np.ndarray, b: np.ndarray) -> None:
+        live["params"] = [
+            torch.nn.Parameter(torch.from_numpy(weight.copy())),
+            torch.nn.Parameter(torch.from_numpy(b.copy())),
+        ]
+        live["opt"] = GradientAccumulateOptimizer(
+            torch.optim.SGD(live["params"], lr=LR),
+            s.accum_steps,
+            reduction=s.reduction,
+            max_grad_norm=s.max_grad_norm,
+            use_agc=s.use_agc,
+            clip_factor=s.clip_factor,
+            eps=s.eps,
+            agc_exclude=(),  # the table clips every parameter (both adapters exclude "final")
+        )
 
     def micro_step(grads):
-        weight.grad = torch.from_numpy(grads[0].T.copy())
-        b.grad = torch.from_numpy(grads[1].copy())
-        opt.step()
-        opt.zero_grad()
+        for p, g in zip(live["params"], (grads[0] if grads[0] is None else grads[0].T, grads[1])):
+            p.grad = None if g is None else torch.from_numpy(g.copy())
+        live["opt"].step()
+        live["opt"].zero_grad()
 
-    assert replay(s, micro_step, opt.flush) == s.nonfinite_cycles
+    def resume():
+        state = copy.deepcopy(live["opt"].state_dict())
+        build(*(p.detach().numpy() for p in live["params"]))
+        live["opt"].load_state_dict(state)
+
+    build(kernel.T, bias)
+    assert replay(s, micro_step, lambda: live["opt"].flush(), resume) == s.nonfinite_cycles
+    weight, b = live["params"]
     check(s, weight.detach().numpy().T, b.detach().numpy())
