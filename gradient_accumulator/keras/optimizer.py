@@ -647,7 +647,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             by_id = {id(v): g for g, v in zip(grads, trainable_variables)}
             trainable_variables = self._trainable_variables
             grads = [by_id.get(id(v)) for v in trainable_variables]
-        overwrite = self._overwrite_maxima(grads, trainable_variables, self._micro_step)
+        overwrite = self._overwrite_maxima(grads, self._micro_step, self._seen.value)
         core_path = _BACKEND == "torch" and not overwrite and self._core_enabled()
         if _BACKEND == "jax":
             self._jax_stateful(grads)
@@ -659,36 +659,49 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._stateful_apply(grads, trainable_variables)
         if overwrite and _BACKEND != "jax":  # the JAX path does this in stateless_apply
             boundary = ops.equal(self._micro_step, 0)
-            for var, acc, maximum in overwrite:
-                var.assign(ops.where(boundary, ops.cast(maximum, var.dtype), var))
+            seen = self._seen.value
+            for i, acc, maximum in overwrite:
+                var = trainable_variables[i]
+                write = ops.logical_and(boundary, ops.greater(seen[i], 0.0))
+                var.assign(ops.where(write, ops.cast(maximum, var.dtype), var))
                 acc.assign(maximum)
         if self._drops_nonfinite() and not core_path and self._eager():
             self.report_nonfinite()
 
     def _overwrite_maxima(
-        self,
-        grads: Sequence[Any],
-        variables: Sequence[Any],
-        micro_step: Any,
-        accs: Sequence[Any] | None = None,
+        self, grads: Sequence[Any], micro_step: Any, seen: Any, accs: Sequence[Any] | None = None
     ) -> list[tuple]:
-        """``(variable, accumulator, cycle maximum)`` of the ``overwrite_with_gradient`` ones.
+        """``(index, accumulator, cycle maximum)`` of the ``overwrite_with_gradient`` variables.
 
         As in Keras's own accumulation, such a variable (a float8 scale or amax history) keeps
         its value during a cycle and is overwritten at the boundary with the elementwise maximum
-        of the cycle's gradients; the accumulator holds the running maximum, not a sum.
+        of the cycle's gradients; the accumulator holds the running maximum, not a sum. The
+        maximum is over the micro-steps that have a gradient (``seen``: the flags before this
+        one); one without any in the cycle is left alone. ``grads`` follow the wrapper's
+        variables; ``accs``: their accumulators' values on the functional path.
         """
         first = ops.equal(micro_step, 0)
         out = []
-        for i, (g, v) in enumerate(zip(grads, variables)):
-            if g is None or not getattr(v, "overwrite_with_gradient", False):
+        for i, (g, v) in enumerate(zip(grads, self._trainable_variables)):
+            if not getattr(v, "overwrite_with_gradient", False):
                 continue
-            acc = self._accumulators[self._get_variable_index(v)] if accs is None else accs[i]
+            acc = self._accumulators[i] if accs is None else accs[i]
             previous = acc.value if accs is None else acc
-            g = ops.cast(g, "float32")
-            maximum = ops.where(first, g, ops.maximum(previous, g))
-            out.append((v if accs is None else i, acc, maximum))
+            if g is None:
+                maximum = previous
+            else:
+                g = ops.cast(g, "float32")
+                fresh = ops.logical_or(first, ops.less_equal(seen[i], 0.0))
+                maximum = ops.where(fresh, g, ops.maximum(previous, g))
+            out.append((i, acc, maximum))
         return out
+
+    def _flush_overwrites(self, seen: Sequence[bool]) -> None:
+        """After a flush: the ``overwrite_with_gradient`` variables seen in the cycle take its
+        maximum (their accumulators hold it), as at a boundary."""
+        for i, v in enumerate(self._trainable_variables):
+            if seen[i] and getattr(v, "overwrite_with_gradient", False):
+                v.assign(ops.cast(self._accumulators[i].value, v.dtype))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         """``apply`` on ``(gradient, variable)`` pairs; returns the micro-step counter."""
@@ -903,9 +916,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         n_own = len(self._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
-        overwrite = self._overwrite_maxima(
-            grads, self._trainable_variables, own["micro_step"], own["accs"]
-        )
+        overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], own["accs"])
         present = [g is not None for g in grads]
         grads = self._dense(grads, self._trainable_variables)
 
@@ -927,8 +938,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if overwrite:
             new_tv, own["accs"] = list(new_tv), list(own["accs"])
             for i, _, maximum in overwrite:
+                write = ops.logical_and(boundary, ops.greater(own["seen"][i], 0.0))
                 new_tv[i] = ops.where(
-                    boundary, ops.cast(maximum, new_tv[i].dtype), trainable_variables[i]
+                    write, ops.cast(maximum, new_tv[i].dtype), trainable_variables[i]
                 )
                 own["accs"][i] = maximum
         return new_tv, self._pack(optimizer_variables, own, new_inner)
@@ -1052,6 +1064,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         variables = self._trainable_variables
         # No current call: the seen flags alone say which variables had a gradient.
         present = list(ops.convert_to_numpy(self._seen) > 0)
+        overwrites = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
         if _BACKEND == "jax":
             optimizer_values = [v.value for v in self.variables]
             own = self._own(optimizer_values)
@@ -1067,7 +1080,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 var.assign(value)
             for var, value in zip(self.variables, self._pack(optimizer_values, own, inner)):
                 var.assign(value)
-        elif _BACKEND == "torch" and self._core_enabled():
+        elif _BACKEND == "torch" and not overwrites and self._core_enabled():
             from gradient_accumulator.keras import _core_path
 
             _core_path.boundary(self)
@@ -1086,6 +1099,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 )()
         else:
             self._end_cycle(ops.convert_to_tensor(True), variables, present)
+        if overwrites:
+            self._flush_overwrites(present)
         self.report_nonfinite()
         return True
 

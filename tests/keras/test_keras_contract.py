@@ -331,3 +331,31 @@ def test_older_configs_deserialize():
     assert isinstance(opt.inner_optimizer, keras.optimizers.SGD)
     assert opt.inner_optimizer.momentum == 0.9
     assert float(_np(opt.learning_rate)) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["boundary", "flush"])
+@pytest.mark.parametrize(
+    "pattern",
+    [("g", "g", "-"), ("-", "g", "g"), ("g", "-", "g"), ("-", "-", "-")],
+    ids=lambda p: "".join(p),
+)
+def test_overwrite_with_gradient_missing_in_some_micro_steps(pattern, flush):
+    """A cycle of three micro-steps in which the overwrite variable has a gradient only where
+    ``pattern`` says "g": it takes the maximum of those, whichever micro-step lacks one (the
+    boundary's included), and keeps its value when it has none; the other variable's update
+    is unaffected. With ``flush``, the cycle is cut after its third micro-step (accum 4).
+    Before the fix a gradient missing at the boundary wrote maximum / total weight (the torch
+    backend's core path: an SGD step) into the variable."""
+    k = 4 if flush else 3
+    ours = GradientAccumulateOptimizer(keras.optimizers.SGD(1.0), accum_steps=k)
+    ow, v2 = _overwrite_pair()
+    start = _np(ow).copy()
+    grads = [np.abs(g) + 0.5 for g in _grads(3, seed=5)]
+    for g, mark in zip(grads, pattern):
+        ours.apply([ops.convert_to_tensor(g) if mark == "g" else None, ops.ones((2, 2))], [ow, v2])
+    if flush:
+        assert ours.flush()
+    present = [g for g, mark in zip(grads, pattern) if mark == "g"]
+    expected = np.maximum.reduce(present) if present else start
+    np.testing.assert_allclose(_np(ow), expected, rtol=1e-6)
+    np.testing.assert_allclose(_np(v2), np.array([[0.0, 1.0], [2.0, 3.0]]), rtol=1e-6)
