@@ -78,10 +78,11 @@ class BucketReducer:
     """Launches one all-reduce per bucket, at most once per cycle, and waits for them.
 
     Args:
-        flat: the accumulator buffer; its last ``SCALAR_SLOTS`` elements hold the scalars.
+        flat: the accumulator buffer; its last ``tail`` elements hold the scalars.
         bucket_start: ``num_buckets + 1`` element offsets of the buckets in ``flat``.
         process_group: the group to reduce over (None: the default group).
         timeout: seconds to wait for a reduction before raising (None: the group's timeout).
+        tail: scalar elements at the end of ``flat`` (at least ``SCALAR_SLOTS``).
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class BucketReducer:
         bucket_start: list[int],
         process_group: Any = None,
         timeout: float | None = None,
+        tail: int = SCALAR_SLOTS,
     ) -> None:
         self.flat = flat
         self.group = process_group
@@ -101,7 +103,7 @@ class BucketReducer:
         if self.bounds:
             self.bounds[-1] = (self.bounds[-1][0], end)
         else:
-            self.bounds = [(end - SCALAR_SLOTS, end)]
+            self.bounds = [(end - tail, end)]
         self.scalar_bucket = len(self.bounds) - 1
         self._works: dict[int, Any] = {}
         self.collectives = 0  # collectives launched so far (for tests and benchmarks)

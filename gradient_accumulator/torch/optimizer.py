@@ -446,7 +446,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._fused_kind = self._fused_optimizer_kind()
 
         # One flat fp32 buffer per device for all accumulators, laid out in backward order and
-        # cut into buckets; SCALAR_SLOTS trailing elements carry the weight and non-finite flag.
+        # cut into buckets; a tail of scalars travels with the last bucket: SCALAR_SLOTS for
+        # the weight, the non-finite flag and the ranks' agreement, then one "seen" flag per
+        # parameter (a multiple of 16 elements, for 64-byte alignment).
         if process_group is False:
             self._distributed, group = False, None
         else:
@@ -458,8 +460,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             [p.numel() for p in self._params],
             bucket_numel=max(1, int(bucket_cap_mb * 2**20 // 4)),
         )
+        self._tail = SCALAR_SLOTS + -(-len(self._params) // 16) * 16
         self._flat = torch.zeros(
-            plan.total + SCALAR_SLOTS, dtype=torch.float32, device=self._params[0].device
+            plan.total + self._tail, dtype=torch.float32, device=self._params[0].device
         )
         self._accs = [
             self._flat[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, self._params)
@@ -491,7 +494,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 },
                 self._flat.device,
             )
-            self._reducer = BucketReducer(self._flat, plan.bucket_start, group, reduce_timeout)
+            self._reducer = BucketReducer(
+                self._flat, plan.bucket_start, group, reduce_timeout, tail=self._tail
+            )
             self._bucket_of = list(plan.bucket_of)
             self._bucket_size = [0] * self._reducer.num_buckets
             for b in self._bucket_of:
@@ -719,6 +724,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         fed again.
         """
         _refuse_outer_accumulation()
+        if sum(len(g["params"]) for g in self.optimizer.param_groups) != len(self._params):
+            # A group added to the inner optimizer after wrapping: its gradients would never be
+            # folded in, weighted or freed, and would reach the update summed over the cycles.
+            raise RuntimeError(
+                "the inner optimizer's parameter groups changed after it was wrapped in "
+                "GradientAccumulateOptimizer (add_param_group on the inner optimizer?); add "
+                "every group before wrapping, or wrap it again"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -960,8 +973,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if unseen:  # stale values from an earlier cycle must not be summed
             core.zero(unseen)
         if self.reduction == "running_mean":
-            self._flat[:-SCALAR_SLOTS].mul_(self._total_weight)
-        scalars = self._flat[-SCALAR_SLOTS:]
+            self._flat[: -self._tail].mul_(self._total_weight)
+        scalars = self._flat[-self._tail :]
         agree = agreement_slots(
             [
                 self.accum_steps,
@@ -972,6 +985,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         )
         host = [self._total_weight, 1.0 if self._nonfinite else 0.0] + agree
         host += [0.0] * (SCALAR_SLOTS - len(host))
+        host += [1.0 if s else 0.0 for s in self._seen]
+        host += [0.0] * (self._tail - len(host))
         scalars.copy_(torch.tensor(host, dtype=torch.float32))
         self._reducer.finish()
         reduced = scalars.tolist()
@@ -992,9 +1007,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._total_weight = float(reduced[0])
         self._nonfinite = bool(reduced[1] > 0) or not math.isfinite(self._total_weight)
         if self.reduction == "running_mean" and self._total_weight > 0:
-            self._flat[:-SCALAR_SLOTS].div_(self._total_weight)
-        # As with DDP, every parameter takes part in the update (zero where no rank had one).
-        self._seen = [True] * len(self._params)
+            self._flat[: -self._tail].div_(self._total_weight)
+        # A parameter takes part in the update if any rank had a gradient for it (DDP with
+        # find_unused_parameters leaves .grad None where no rank had one).
+        seen = reduced[SCALAR_SLOTS : SCALAR_SLOTS + len(self._params)]
+        self._seen = [count > 0 for count in seen]
         self._sumsq = None
         self._bucket_done = [0] * self._reducer.num_buckets
 

@@ -67,9 +67,11 @@ class _Net(nn.Module):
         else:
             self.bn = nn.Identity()
         self.fc2 = nn.Linear(16, 3)
+        self.extra = nn.Linear(16, 3)  # a head used only where the config says
 
-    def forward(self, x):
-        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+    def forward(self, x, extra: bool = False):
+        h = torch.relu(self.bn(self.fc1(x)))
+        return self.fc2(h) + self.extra(h) if extra else self.fc2(h)
 
 
 class _RefBN(nn.BatchNorm1d):
@@ -134,11 +136,13 @@ def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
             return real(*a, **kw)
 
         dist.all_reduce = counting
-        for per_rank in _slices(cfg):
+        extra = cfg.get("extra", ())
+        for cycle, per_rank in enumerate(_slices(cfg)):
             for idx in per_rank[rank]:
                 before = count["n"]
                 with accumulate(model, opt, weight=len(idx)):
-                    F.mse_loss(model(x[idx]), y[idx]).backward()
+                    kw = {"extra": True} if (cycle, rank) in extra else {}
+                    F.mse_loss(model(x[idx], **kw), y[idx]).backward()
                 opt.step(weight=len(idx))
                 opt.zero_grad()
                 calls.append((count["n"] - before, opt.update_applied))
@@ -170,10 +174,13 @@ def _reference(cfg: dict) -> dict:
     model = _Net("ref" if cfg["bn"] else "none")
     opt = _make_opt(cfg, model.parameters())
     x, y = _data(cfg)
-    for per_rank in _slices(cfg):
-        mbs = [idx for r in per_rank for idx in r]
-        total = sum(len(i) for i in mbs)
-        loss = sum(F.mse_loss(model(x[i]), y[i]) * (len(i) / total) for i in mbs)
+    extra = cfg.get("extra", ())
+    for cycle, per_rank in enumerate(_slices(cfg)):
+        mbs = [
+            (idx, (cycle, r) in extra) for r, rank_mbs in enumerate(per_rank) for idx in rank_mbs
+        ]
+        total = sum(len(i) for i, _ in mbs)
+        loss = sum(F.mse_loss(model(x[i], e), y[i]) * (len(i) / total) for i, e in mbs)
         loss.backward()
         if cfg["clip"] is not None:
             nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
@@ -225,6 +232,15 @@ def test_ddp_model_inside_accumulate_matches(overlap, tmp_path):
 
 def test_reduce_after_backward_matches(tmp_path):
     _check({**BASE, "world": 2, "opt": "adamw", "overlap": False}, tmp_path)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after"])
+def test_a_parameter_no_rank_used_in_a_cycle_is_left_alone(overlap, tmp_path):
+    """The extra head has gradients on rank 1 only in cycle 1, on no rank in cycles 0, 2, 3:
+    as in the big batch, where its .grad is None then, AdamW's decay must not move it (nor
+    its moments). Before the fix every parameter took part in every distributed update."""
+    cfg = dict(BASE, world=2, opt="adamw", overlap=overlap, extra=((1, 1),))
+    _check(cfg, tmp_path)
 
 
 def test_clipping_acts_on_the_reduced_gradient(tmp_path):
