@@ -8,7 +8,7 @@ import keras
 from keras import ops
 
 from gradient_accumulator import _validation
-from gradient_accumulator.keras._compat import warn_deprecated
+from gradient_accumulator.keras._compat import after, warn_deprecated
 
 __all__ = ["AccumBatchNormalization"]
 
@@ -192,20 +192,25 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         boundary = ops.greater_equal(step, self.accum_steps)
         moving_mean = ops.cast(self.moving_mean.value, "float32")
         moving_var = ops.cast(self.moving_variance.value, "float32")
-        self.moving_mean.assign(
-            ops.where(
-                boundary, moving_mean * self.momentum + mean * (1.0 - self.momentum), moving_mean
+        # The counter updates read no data: tied to the batch's moments, so the step Keras runs
+        # on an exhausted iterator of unknown size cannot tick them before it fails.
+        with after([mean_b, var_b]):
+            self.moving_mean.assign(
+                ops.where(
+                    boundary,
+                    moving_mean * self.momentum + mean * (1.0 - self.momentum),
+                    moving_mean,
+                )
             )
-        )
-        self.moving_variance.assign(
-            ops.where(
-                boundary, moving_var * self.momentum + var * (1.0 - self.momentum), moving_var
+            self.moving_variance.assign(
+                ops.where(
+                    boundary, moving_var * self.momentum + var * (1.0 - self.momentum), moving_var
+                )
             )
-        )
-        self.accum_mean.assign(mean)
-        self.accum_variance.assign(var)
-        self.accum_count.assign(n)
-        self.accum_step.assign(ops.where(boundary, ops.zeros_like(step), step))
+            self.accum_mean.assign(mean)
+            self.accum_variance.assign(var)
+            self.accum_count.assign(n)
+            self.accum_step.assign(ops.where(boundary, ops.zeros_like(step), step))
 
     def flush(self) -> bool:
         """Give the moving statistics the update of a cycle cut short (end of data), now.

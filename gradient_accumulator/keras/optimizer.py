@@ -9,7 +9,6 @@ per micro-step, one fused apply per cycle).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import warnings
@@ -22,7 +21,7 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
-from gradient_accumulator.keras._compat import warn_deprecated
+from gradient_accumulator.keras._compat import after, warn_deprecated
 from gradient_accumulator.keras.agc import clip_one
 from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
 
@@ -99,21 +98,6 @@ def _strategy() -> Any:
     import tensorflow as tf
 
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-
-
-def _after(tensors: Sequence[Any]) -> Any:
-    """A context in which the ops created run only after ``tensors`` are computed (TensorFlow).
-
-    In a ``tf.function`` the counter updates do not read the batch, so nothing orders them
-    after the iterator's ``get_next``: on a dataset of unknown size, the step Keras runs on the
-    exhausted iterator would tick them (a phantom micro-step) before the end-of-data error
-    stops it. Tying them to the gradients makes every micro-step all-or-nothing.
-    """
-    if _BACKEND != "tensorflow":
-        return contextlib.nullcontext()
-    import tensorflow as tf
-
-    return tf.control_dependencies([t for t in tensors if tf.is_tensor(t)])
 
 
 def _concrete(value: Any) -> np.ndarray | None:
@@ -734,7 +718,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         first = ops.equal(self._micro_step, 0)
-        self._seen.assign(self._seen_after(self._seen.value, present, first))
         w = self._weight(self._batch_weight)
         w_before = ops.where(first, 0.0, self._total_weight)
         for acc, value in zip(accs, self._fold([a.value for a in accs], grads, first, w, w_before)):
@@ -742,7 +725,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.mixed_precision:
             bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
             self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
-        with _after(grads[:1]):
+        with after(grads[:1]):
+            self._seen.assign(self._seen_after(self._seen.value, present, first))
             self._total_weight.assign(w_before + w)
             self._micro_step.assign_add(1)
             self._iterations.assign_add(1)

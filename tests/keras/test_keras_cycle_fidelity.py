@@ -12,6 +12,7 @@ import pytest
 from keras_helpers import BACKEND, TOL, data, flat, make_inner, mirrored, mlp, rel_diff
 
 from gradient_accumulator.keras import (
+    AccumBatchNormalization,
     FlushAccumulation,
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
@@ -135,3 +136,31 @@ def test_dataset_of_unknown_size_has_no_phantom_micro_step(wrapper):
     assert int(keras.ops.convert_to_numpy(opt.iterations)) == 8
     assert np.isfinite(flat(model)).all()
     assert rel_diff(flat(model), ref) <= TOL
+
+
+def test_batch_norm_statistics_have_no_phantom_micro_step_on_a_dataset_of_unknown_size():
+    """The same exhausted-iterator step must not tick AccumBatchNormalization's cycle counter
+    (TensorFlow used to: at the end of the epoch the layer was one micro-step into a new cycle,
+    and the flush gave the moving statistics one more update from stale moments, 97% off the big
+    batch's after one epoch). Weights frozen (SGD(0)) so both runs normalise the same inputs."""
+    x, y = data(N_UNKNOWN)
+    stats = []
+    for accumulated in (False, True):
+        if accumulated:
+            inputs, outputs = mlp(bn=AccumBatchNormalization, accum_steps=ACCUM, momentum=0.5)
+            model = GradientAccumulateModel(accum_steps=ACCUM, inputs=inputs, outputs=outputs)
+        else:
+            inputs, outputs = mlp(bn=keras.layers.BatchNormalization, momentum=0.5)
+            model = keras.Model(inputs, outputs)
+        model.compile(keras.optimizers.SGD(0.0), loss="mse")
+        for _ in range(2):  # a fresh generator per epoch
+            if accumulated:
+                model.fit(_unknown_size(x, y), epochs=1, verbose=0)
+            else:
+                model.fit(x, y, batch_size=ACCUM * MICRO, epochs=1, shuffle=False, verbose=0)
+        bn = next(l for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
+        stats.append([keras.ops.convert_to_numpy(v) for v in (bn.moving_mean, bn.moving_variance)])
+        if accumulated:
+            assert int(keras.ops.convert_to_numpy(bn.accum_step)) == 0
+    for ours, ref in zip(stats[1], stats[0]):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
