@@ -158,7 +158,7 @@ def test_batch_norm_statistics_have_no_phantom_micro_step_on_a_dataset_of_unknow
                 model.fit(_unknown_size(x, y), epochs=1, verbose=0)
             else:
                 model.fit(x, y, batch_size=ACCUM * MICRO, epochs=1, shuffle=False, verbose=0)
-        bn = next(l for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
+        bn = next(m for m in model.layers if isinstance(m, keras.layers.BatchNormalization))
         stats.append([keras.ops.convert_to_numpy(v) for v in (bn.moving_mean, bn.moving_variance)])
         if accumulated:
             assert int(keras.ops.convert_to_numpy(bn.accum_step)) == 0
