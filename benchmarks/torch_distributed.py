@@ -345,8 +345,8 @@ def count_and_check(rank: int, world: int, cfg: dict, init: dict, data) -> dict:
             bytes_per_step=nbytes / COUNT_CYCLES,
             per_micro=per_micro[-1],
             buckets=(
-                s.opt._reducer.num_buckets
-                if isinstance(s.opt, GradientAccumulateOptimizer) and s.opt._reducer
+                s.opt.num_buckets
+                if isinstance(s.opt, GradientAccumulateOptimizer) and s.opt.num_buckets
                 else None
             ),
         )

@@ -1,25 +1,53 @@
-"""The PyTorch-backend fast path of GradientAccumulateOptimizer: the C++ core on torch tensors.
+"""The PyTorch-backend path of the Keras GradientAccumulateOptimizer: the shared eager engine.
 
-Per micro-step: one ``core.accumulate`` pass over all gradients (fp32 accumulators whatever the
-gradient dtype, first micro-step overwrites, non-finite check folded in). At the boundary: for
-``SGD`` without momentum, ``Adam`` and ``AdamW`` one fused ``core.apply`` per group of variables
-(scale, AGC, optimizer step) writing the inner optimizer's own variables, so its state stays that
-of a plain Keras optimizer; for any other optimizer ``core.apply(optimizer="none")`` averages and
-clips in place and the inner optimizer's own ``apply`` takes the result.
+The cycle (first micro-step overwrites, weights, seen flags, a missing gradient, the non-finite
+check, the boundary's scale) is ``gradient_accumulator._engine.Cycle``, the one the PyTorch
+adapter drives. This module translates Keras objects in: the wrapper's variables, which hold the
+cycle's position so that a checkpoint saves it, and the inner Keras optimizer, updated at the
+boundary by one fused ``core.apply`` per group of variables (``SGD`` without momentum, ``Adam``,
+``AdamW``: the core writes the optimizer's own variables, so its state stays that of a plain
+Keras optimizer) or, for any other optimizer, by its own ``apply`` on the final gradients.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import keras
 import torch
 
 from gradient_accumulator import core
+from gradient_accumulator._engine import Cycle, grad_scale
 
-_MODES = {"MEAN": "mean", "SUM": "sum", "RUNNING_MEAN": "running_mean"}
-_FLT_MAX = 3.4028234663852886e38
+
+class CycleVariables(NamedTuple):
+    """The wrapper's Keras variables the cycle lives in (saved with the model)."""
+
+    micro_step: Any
+    total_weight: Any
+    nonfinite: Any
+    seen: Any
+    batch_weight: Any
+    iterations: Any
+    skipped: Any
+    loss_scale: Any
+    growth: Any
+
+
+class Settings(NamedTuple):
+    """The wrapper's options this path needs."""
+
+    accum_steps: int
+    reduction: str  # "MEAN", "SUM" or "RUNNING_MEAN"
+    mixed_precision: bool
+    drops_nonfinite: bool  # on_nonfinite decides about a non-finite cycle
+    static_scale: float | None
+    dynamic_growth_steps: int
+    clip_factor: float
+    eps: float
+    fused: bool  # the wrapper itself clips nothing, so a fused update may replace the inner's
 
 
 class _Group(NamedTuple):
@@ -31,25 +59,13 @@ class _Group(NamedTuple):
     units: list[tuple[int, str]] | None
 
 
-class _Plan(NamedTuple):
-    kind: str  # "sgd", "adamw" or "none"
-    accs: list[torch.Tensor]
-    params: list[torch.Tensor]
-    state1: list[torch.Tensor] | None
-    state2: list[torch.Tensor] | None
-    groups: list[_Group]
-
-
-def _fused_kind(opt: Any) -> str:
+def _fused_kind(inner: Any, variables: Sequence[Any], allowed: bool) -> str:
     """Which fused core update reproduces the inner optimizer's own formula exactly, if any."""
-    inner = opt.optimizer
-    if not type(inner).__module__.startswith("keras."):
+    if not allowed or not type(inner).__module__.startswith("keras."):
         return "none"  # a user subclass may change update_step
     if any(x is not None for x in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm)):
         return "none"
-    if any(x is not None for x in (opt.clipnorm, opt.clipvalue, opt.global_clipnorm)):
-        return "none"
-    if inner.use_ema or any(v.constraint is not None for v in opt._trainable_variables):
+    if inner.use_ema or any(v.constraint is not None for v in variables):
         return "none"
     if isinstance(inner, keras.optimizers.SGD) and not inner.momentum:
         # Plain SGD: decoupled weight decay equals L2 decay, which is the core's.
@@ -60,210 +76,238 @@ def _fused_kind(opt: Any) -> str:
     return "none"
 
 
-def _plan(opt: Any) -> _Plan:
-    if opt._core_plan is not None:
-        return opt._core_plan
-    variables = opt._trainable_variables
-    kind = _fused_kind(opt)
-    inner = opt.optimizer
-    state1 = state2 = None
-    if kind == "adamw":
-        state1 = [m.value.detach() for m in inner._momentums]
-        state2 = [v.value.detach() for v in inner._velocities]
-    buckets: dict[tuple[bool, float], list[int]] = {}
-    for i, v in enumerate(variables):
-        wd = 0.0
-        if kind != "none" and inner.weight_decay and inner._use_weight_decay(v):
-            wd = float(inner.weight_decay)
-        buckets.setdefault((bool(opt._agc_mask[i]), wd), []).append(i)
-    groups = [
-        _Group(
-            index,
-            agc,
-            wd,
-            [core.unit_layout(tuple(variables[i].shape), "trailing") for i in index]
-            if agc
-            else None,
-        )
-        for (agc, wd), index in buckets.items()
-    ]
-    plan = _Plan(
-        kind,
-        [a.value.detach() for a in opt._accumulators],
-        [v.value.detach() for v in variables],
-        state1,
-        state2,
-        groups,
-    )
-    opt._core_plan = plan
-    return plan
+def _value(var: Any) -> torch.Tensor:
+    return var.value.detach()
 
 
-def _scalar(var: Any) -> float:
-    return float(var.value.item())
+class CorePath:
+    """One wrapper's cycle on eager torch tensors.
 
+    Args:
+        inner: the inner Keras optimizer (built).
+        variables: the wrapper's trainable variables; ``accumulators``: their fp32 accumulators.
+        state: the wrapper's cycle variables.
+        agc_mask: per variable, whether AGC clips it (all False without AGC).
+        settings: the wrapper's options.
+        clip: the wrapper's own gradient clipping (clipnorm and friends), for the generic update.
+        report: reports dropped non-finite cycles (warns or raises).
+    """
 
-@torch.no_grad()
-def apply(opt: Any, grads: list[Any], variables: list[Any]) -> None:
-    """One micro-step: accumulate through the core; the cycle's last one also updates."""
-    plan = _plan(opt)
-    del variables  # the wrapper's own, in its order: ``grads`` follows it
-    tensors = []
-    for g, acc in zip(grads, plan.accs):
-        if g is None:
-            g = torch.zeros_like(acc)
-        tensors.append(g.detach().contiguous())
-    micro = int(opt._micro_step.value.item())
-    first = micro == 0
-    seen = opt._seen.value
-    if all(g is not None for g in grads):
-        seen.fill_(1.0)
-    else:
-        mask = torch.tensor([float(g is not None) for g in grads], device=seen.device)
-        seen.copy_(mask if first else torch.maximum(seen, mask))
-    weight = 1.0 if opt.reduction == "SUM" else _scalar(opt._batch_weight)
-    before = 0.0 if first else _scalar(opt._total_weight)
-    result = core.accumulate(
-        plan.accs,
-        tensors,
-        weight=weight,
-        mode=_MODES[opt.reduction],
-        weight_before=before,
-        overwrite=first,
-    )
-    if opt.mixed_precision or opt._drops_nonfinite():
-        # Sticky for the cycle; cleared at the boundary and at a cycle's first micro-step.
-        if result.nonfinite:
-            opt._nonfinite.assign(1.0)
-        elif first:
-            opt._nonfinite.assign(0.0)
-    opt._total_weight.assign(before + weight)
-    opt._micro_step.assign(micro + 1)
-    opt._iterations.assign_add(1)
-    if micro + 1 >= opt.accum_steps:
-        boundary(opt)
-
-
-@torch.no_grad()
-def boundary(opt: Any) -> None:
-    """End of cycle: one fused update (or the inner optimizer's), then reset the counters."""
-    plan = _plan(opt)
-    total = _scalar(opt._total_weight)
-    scale = 1.0
-    if opt.reduction == "MEAN":
-        scale /= max(total, 1e-30)
-    loss_scale = _scalar(opt._loss_scale)
-    if opt.mixed_precision:
-        scale /= loss_scale
-    if opt._static_scale is not None:
-        scale /= float(opt._static_scale)
-    dropped = False
-    if opt._drops_nonfinite():
-        # The cycle's result is checked, not only each micro-batch: finite gradients can sum
-        # to more than float32 holds.
-        dropped = _scalar(opt._nonfinite) > 0 or not _finite_result(plan.accs, scale)
-    if opt.mixed_precision and _scalar(opt._nonfinite) > 0:
-        opt._loss_scale.assign(loss_scale * 0.5)
-        opt._growth.assign(0)
-    elif dropped:
-        opt._skipped.assign(int(opt._skipped.value.item()) + 1)
-    else:
-        # A variable without a gradient in the whole cycle is left alone, as plain Keras does.
-        seen = opt._seen.value.tolist()
-        keep = [i for i, flag in enumerate(seen) if flag > 0]
-        if len(keep) == len(seen):
-            groups = plan.groups
-        else:
-            groups = [g for g in (_subgroup(g, keep) for g in plan.groups) if g.index]
-        if groups and plan.kind == "none":
-            _generic_update(opt, plan, groups, scale)
-        elif groups:
-            _fused_update(opt, plan, groups, scale)
-        if opt.mixed_precision:
-            growth = int(opt._growth.value.item()) + 1
-            if growth >= opt.dynamic_growth_steps:
-                opt._loss_scale.assign(loss_scale * 2.0)
-                growth = 0
-            opt._growth.assign(growth)
-    opt._micro_step.assign(0)
-    opt._total_weight.assign(0.0)
-    opt._nonfinite.assign(0.0)
-    if dropped:
-        opt.report_nonfinite()
-
-
-def _finite_result(accs: list[torch.Tensor], scale: float) -> bool:
-    """Whether every accumulator × ``scale`` is finite in float32 (one read pass)."""
-    sumsq = float(core.sum_of_squares(accs))  # float64: overflows only past 1e308
-    return math.isfinite(sumsq) and math.sqrt(sumsq) * abs(scale) <= _FLT_MAX
-
-
-def _subgroup(group: _Group, keep: list[int]) -> _Group:
-    """``group`` restricted to the variables in ``keep``."""
-    kept = set(keep)
-    pos = [j for j, i in enumerate(group.index) if i in kept]
-    units = None if group.units is None else [group.units[j] for j in pos]
-    return _Group([group.index[j] for j in pos], group.agc, group.weight_decay, units)
-
-
-def _pick(values: list[Any] | None, index: list[int]) -> list[Any] | None:
-    return None if values is None else [values[i] for i in index]
-
-
-def _fused_update(opt: Any, plan: _Plan, groups: list[_Group], scale: float) -> None:
-    inner = opt.optimizer
-    lr = float(keras.ops.convert_to_numpy(inner.learning_rate))
-    step = int(keras.ops.convert_to_numpy(inner.iterations)) + 1
-    for group in groups:
-        common = dict(
-            lr=lr,
-            grad_scale=scale,
-            agc=group.agc,
-            clip_factor=opt.clip_factor,
-            agc_eps=opt.eps,
-            layout=group.units if group.agc else "trailing",
-            reset=False,
-            weight_decay=group.weight_decay,
-        )
-        params = _pick(plan.params, group.index)
-        accs = _pick(plan.accs, group.index)
-        if plan.kind == "sgd":
-            core.apply(params, accs, optimizer="sgd", **common)
-        else:
-            beta1, beta2 = float(inner.beta_1), float(inner.beta_2)
-            # Keras adds epsilon to sqrt(v) before bias correction; the core (PyTorch's
-            # formula) after it: the same update with eps / sqrt(1 - beta2^t).
-            eps = float(inner.epsilon) / math.sqrt(1.0 - beta2**step)
-            core.apply(
-                params,
-                accs,
-                optimizer="adamw",
-                state1=_pick(plan.state1, group.index),
-                state2=_pick(plan.state2, group.index),
-                betas=(beta1, beta2),
-                eps=eps,
-                step=step,
-                **common,
+    def __init__(
+        self,
+        inner: Any,
+        variables: Sequence[Any],
+        accumulators: Sequence[Any],
+        state: CycleVariables,
+        agc_mask: Sequence[bool],
+        settings: Settings,
+        clip: Callable[[list[Any]], list[Any]],
+        report: Callable[[], Any],
+    ) -> None:
+        self.inner = inner
+        self.variables = list(variables)
+        self.state = state
+        self.settings = settings
+        self.clip = clip
+        self.report = report
+        self.kind = _fused_kind(inner, self.variables, settings.fused)
+        self.accs = [_value(a) for a in accumulators]
+        self.params = [_value(v) for v in self.variables]
+        self.state1 = self.state2 = None
+        if self.kind == "adamw":
+            self.state1 = [_value(m) for m in inner._momentums]
+            self.state2 = [_value(v) for v in inner._velocities]
+        buckets: dict[tuple[bool, float], list[int]] = {}
+        for i, v in enumerate(self.variables):
+            wd = 0.0
+            if self.kind != "none" and inner.weight_decay and inner._use_weight_decay(v):
+                wd = float(inner.weight_decay)
+            buckets.setdefault((bool(agc_mask[i]), wd), []).append(i)
+        self.groups = [
+            _Group(
+                index,
+                agc,
+                wd,
+                [core.unit_layout(tuple(self.params[i].shape), "trailing") for i in index]
+                if agc
+                else None,
             )
-    inner._iterations.assign_add(1)
+            for (agc, wd), index in buckets.items()
+        ]
+        reduction = settings.reduction.lower()
+        flag = None
+        if self.accs and self.accs[0].is_cuda:
+            flag = torch.zeros((), dtype=torch.float32, device=self.accs[0].device)
+        self.cycle = Cycle(self.accs, settings.accum_steps, reduction, device_flag=flag)
+        self._versions: tuple = ()
 
+    # ---- the cycle's position: the engine's, mirrored in the Keras variables ----
 
-def _generic_update(opt: Any, plan: _Plan, groups: list[_Group], scale: float) -> None:
-    for group in groups:
-        core.apply(
-            _pick(plan.params, group.index) if group.agc else None,
-            _pick(plan.accs, group.index),
-            optimizer="none",
-            grad_scale=scale,
-            agc=group.agc,
-            clip_factor=opt.clip_factor,
-            agc_eps=opt.eps,
-            layout=group.units if group.agc else "trailing",
-            reset=False,
-        )
-    keep = sorted(i for group in groups for i in group.index)
-    variables = [opt._trainable_variables[i] for i in keep]
-    grads = opt._clip_gradients([plan.accs[i] for i in keep])
-    grads = [g.to(v.value.dtype) for g, v in zip(grads, variables)]
-    # The accumulators now hold the final gradients; the next micro-step overwrites them.
-    opt.optimizer.apply(grads, variables)
+    def _mirrors(self) -> list[torch.Tensor]:
+        s = self.state
+        return [s.micro_step.value, s.total_weight.value, s.nonfinite.value, s.seen.value]
+
+    def _load(self) -> None:
+        """Take the position from the variables if anything but this path wrote them (a
+        checkpoint restored, a ``fit`` that reset the cycle): their version counters moved."""
+        versions = tuple((id(t), t._version) for t in self._mirrors())
+        if versions == self._versions:
+            return
+        s, c = self.state, self.cycle
+        c.micro_step = int(s.micro_step.value.item())
+        c.total_weight = float(s.total_weight.value.item())
+        c.nonfinite = bool(s.nonfinite.value.item() > 0)
+        seen = s.seen.value.tolist()
+        c.seen = [c.micro_step > 0 and f > 0 for f in seen]
+        c.sumsq = None
+        if c.device_flag is not None:
+            c.device_flag.zero_()
+        self._versions = versions
+
+    def _publish(self, seen: bool) -> None:
+        s, c = self.state, self.cycle
+        s.micro_step.assign(c.micro_step)
+        s.total_weight.assign(c.total_weight)
+        track = self.settings.mixed_precision or self.settings.drops_nonfinite
+        if c.device_flag is not None and track:
+            s.nonfinite.value.copy_(torch.maximum(s.nonfinite.value, c.device_flag))
+        else:
+            s.nonfinite.assign(1.0 if c.nonfinite and track else 0.0)
+        if seen:
+            s.seen.assign(torch.tensor(c.seen, dtype=torch.float32, device=s.seen.value.device))
+        self._versions = tuple((id(t), t._version) for t in self._mirrors())
+
+    # ---- micro-steps and the boundary ----
+
+    @torch.no_grad()
+    def apply(self, grads: Sequence[Any]) -> None:
+        """One micro-step (``grads`` follow the wrapper's variables, None for a missing one);
+        the cycle's last one also updates."""
+        self._load()
+        c = self.cycle
+        weight = 1.0 if self.settings.reduction == "SUM" else float(self.state.batch_weight.value)
+        tensors = [None if g is None else g.detach().contiguous() for g in grads]
+        seen_before = list(c.seen)
+        first = c.micro_step == 0
+        norm = c.boundary_next and c.reduction != "running_mean" and not c.cuda
+        c.fold(tensors, weight, norm=norm and self.settings.drops_nonfinite)
+        self.state.iterations.assign_add(1)
+        self._publish(seen=first or c.seen != seen_before)
+        if c.micro_step >= self.settings.accum_steps:
+            self.boundary()
+
+    @torch.no_grad()
+    def boundary(self) -> None:
+        """End of cycle: one fused update (or the inner optimizer's), then reset the counters."""
+        self._load()
+        c, s, opts = self.cycle, self.state, self.settings
+        scale = grad_scale(c.reduction, c.total_weight)
+        loss_scale = float(s.loss_scale.value)
+        if opts.mixed_precision:
+            scale /= loss_scale
+        if opts.static_scale is not None:
+            scale /= float(opts.static_scale)
+        c.collect_device_flag()
+        overflowed = c.nonfinite  # a micro-step's gradient was NaN/Inf
+        dropped = False
+        if opts.drops_nonfinite:
+            # The cycle's result is checked, not only each micro-step: finite gradients can sum
+            # to more than float32 holds.
+            c.result_norm(c.seen_index(), scale)
+            c.collect_device_flag()
+            dropped = c.nonfinite
+        if opts.mixed_precision and overflowed:
+            s.loss_scale.assign(loss_scale * 0.5)
+            s.growth.assign(0)
+        elif dropped:
+            s.skipped.assign(int(s.skipped.value.item()) + 1)
+        else:
+            # A variable without a gradient in the whole cycle is left alone, as plain Keras does.
+            keep = set(c.seen_index())
+            groups = [
+                g
+                for g in (self._subgroup(g, keep) for g in self.groups)
+                if g.index and c.total_weight > 0
+            ]
+            if groups and self.kind == "none":
+                self._generic_update(groups, scale)
+            elif groups:
+                self._fused_update(groups, scale)
+            if opts.mixed_precision:
+                growth = int(s.growth.value.item()) + 1
+                if growth >= opts.dynamic_growth_steps:
+                    s.loss_scale.assign(loss_scale * 2.0)
+                    growth = 0
+                s.growth.assign(growth)
+        c.reset()
+        if c.device_flag is not None:
+            s.nonfinite.assign(0.0)
+        self._publish(seen=False)
+        if dropped:
+            self.report()
+
+    @staticmethod
+    def _subgroup(group: _Group, keep: set[int]) -> _Group:
+        """``group`` restricted to the variables in ``keep``."""
+        pos = [j for j, i in enumerate(group.index) if i in keep]
+        if len(pos) == len(group.index):
+            return group
+        units = None if group.units is None else [group.units[j] for j in pos]
+        return _Group([group.index[j] for j in pos], group.agc, group.weight_decay, units)
+
+    def _fused_update(self, groups: list[_Group], scale: float) -> None:
+        inner = self.inner
+        lr = float(keras.ops.convert_to_numpy(inner.learning_rate))
+        step = int(keras.ops.convert_to_numpy(inner.iterations)) + 1
+        for group in groups:
+            common = dict(
+                lr=lr,
+                grad_scale=scale,
+                agc=group.agc,
+                clip_factor=self.settings.clip_factor,
+                agc_eps=self.settings.eps,
+                layout=group.units if group.agc else "trailing",
+                reset=False,
+                weight_decay=group.weight_decay,
+            )
+            params = [self.params[i] for i in group.index]
+            accs = [self.accs[i] for i in group.index]
+            if self.kind == "sgd":
+                core.apply(params, accs, optimizer="sgd", **common)
+            else:
+                beta1, beta2 = float(inner.beta_1), float(inner.beta_2)
+                # Keras adds epsilon to sqrt(v) before bias correction; the core (PyTorch's
+                # formula) after it: the same update with eps / sqrt(1 - beta2^t).
+                eps = float(inner.epsilon) / math.sqrt(1.0 - beta2**step)
+                core.apply(
+                    params,
+                    accs,
+                    optimizer="adamw",
+                    state1=[self.state1[i] for i in group.index],
+                    state2=[self.state2[i] for i in group.index],
+                    betas=(beta1, beta2),
+                    eps=eps,
+                    step=step,
+                    **common,
+                )
+        inner.iterations.assign_add(1)
+
+    def _generic_update(self, groups: list[_Group], scale: float) -> None:
+        for group in groups:
+            core.apply(
+                [self.params[i] for i in group.index] if group.agc else None,
+                [self.accs[i] for i in group.index],
+                optimizer="none",
+                grad_scale=scale,
+                agc=group.agc,
+                clip_factor=self.settings.clip_factor,
+                agc_eps=self.settings.eps,
+                layout=group.units if group.agc else "trailing",
+                reset=False,
+            )
+        keep = sorted(i for group in groups for i in group.index)
+        variables = [self.variables[i] for i in keep]
+        grads = self.clip([self.accs[i] for i in keep])
+        grads = [g.to(v.value.dtype) for g, v in zip(grads, variables)]
+        # The accumulators now hold the final gradients; the next micro-step overwrites them.
+        self.inner.apply(grads, variables)

@@ -281,7 +281,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         # The inner optimizer's static loss-scale factor is taken over: scale_loss() is ours.
         self._static_scale = inner.loss_scale_factor
         inner.loss_scale_factor = None
-        self._core_plan = None
+        self._core_engine = None  # the PyTorch backend's eager path, built at first use
         self._build_strategy = None  # the tf.distribute strategy of build(), if any
 
     # ----------------------------------------------------------------------------- properties
@@ -636,9 +636,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if _BACKEND == "jax":
             self._jax_stateful(grads)
         elif core_path:
-            from gradient_accumulator.keras import _core_path
-
-            _core_path.apply(self, grads, trainable_variables)  # reports a dropped cycle itself
+            self._core().apply(grads)  # reports a dropped cycle itself
         else:
             self._stateful_apply(grads, trainable_variables)
         if overwrite and _BACKEND != "jax":  # the JAX path does this in stateless_apply
@@ -692,6 +690,44 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         grads, variables = zip(*grads_and_vars)
         self.apply(list(grads), list(variables))
         return self._iterations
+
+    def _core(self) -> Any:
+        """The PyTorch backend's eager path over this wrapper's variables (built once)."""
+        if self._core_engine is None:
+            from gradient_accumulator.keras import _core_path
+
+            own_clipping = (self.clipnorm, self.clipvalue, self.global_clipnorm)
+            self._core_engine = _core_path.CorePath(
+                self.optimizer,
+                self._trainable_variables,
+                self._accumulators,
+                _core_path.CycleVariables(
+                    self._micro_step,
+                    self._total_weight,
+                    self._nonfinite,
+                    self._seen,
+                    self._batch_weight,
+                    self._iterations,
+                    self._skipped,
+                    self._loss_scale,
+                    self._growth,
+                ),
+                self._agc_mask,
+                _core_path.Settings(
+                    accum_steps=self.accum_steps,
+                    reduction=self.reduction,
+                    mixed_precision=bool(self.mixed_precision),
+                    drops_nonfinite=self._drops_nonfinite(),
+                    static_scale=self._static_scale,
+                    dynamic_growth_steps=self.dynamic_growth_steps,
+                    clip_factor=self.clip_factor,
+                    eps=self.eps,
+                    fused=all(x is None for x in own_clipping),
+                ),
+                self._clip_gradients,
+                self.report_nonfinite,
+            )
+        return self._core_engine
 
     def _core_enabled(self) -> bool:
         if self.use_core is False:
@@ -1065,9 +1101,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             for var, value in zip(self.variables, self._pack(optimizer_values, own, inner)):
                 var.assign(value)
         elif _BACKEND == "torch" and not overwrites and self._core_enabled():
-            from gradient_accumulator.keras import _core_path
-
-            _core_path.boundary(self)
+            self._core().boundary()
         elif (_strategy() or self._build_strategy) is not None:
             import tensorflow as tf
 

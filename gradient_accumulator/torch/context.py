@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import torch
 
-from gradient_accumulator import _validation
 from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer, unwrap_optimizer
 
 __all__ = ["accumulate"]
@@ -66,10 +65,10 @@ def accumulate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if weight is not None:
-        optimizer._next_weight = _validation.check_positive(weight, "weight", allow_zero=True)
+        optimizer.expect_weight(weight)
     boundary = optimizer.is_boundary_next()
     no_sync = getattr(model, "no_sync", None)
-    if optimizer._distributed and no_sync is not None:
+    if optimizer.reduces_across_ranks and no_sync is not None:
         # The optimizer reduces its accumulators itself, once per cycle and weighted exactly:
         # DDP stays silent on every micro-batch, the boundary included.
         with no_sync():

@@ -13,14 +13,18 @@ agree on them (Σv² · n = (Σv)² only when every rank sent the same v).
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gradient_accumulator import core
+
 __all__ = [
     "AGREE_SLOT",
     "BucketReducer",
+    "CycleReduction",
     "SCALAR_SLOTS",
     "agreement_slots",
     "check_ranks_agree",
@@ -151,6 +155,93 @@ class BucketReducer:
 
     def pending(self) -> bool:
         return bool(self._works)
+
+
+class CycleReduction:
+    """A cycle's one reduction over the ranks, for an optimizer's flat accumulator buffer.
+
+    The accumulators, the total weight, the non-finite flag, the ranks' agreement and one "seen"
+    flag per accumulator are summed in one round (the scalars ride in the last bucket). With
+    overlap, :meth:`ready` launches a bucket's all-reduce as soon as its last gradient of the
+    cycle has been folded in, during the backward.
+
+    Args:
+        flat: the buffer; the accumulators first, then ``tail`` scalar elements.
+        plan: its ``core.arena_plan`` (bucket starts, each accumulator's bucket).
+        group, timeout: as for :class:`BucketReducer`.
+        tail: ``SCALAR_SLOTS`` plus room for the seen flags.
+        agree: small integers every rank must hold besides the cycle's ``accum_steps`` (two
+            bytes of the layout fingerprint).
+    """
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        plan: Any,
+        group: Any,
+        timeout: float | None,
+        tail: int,
+        agree: list[int],
+    ) -> None:
+        self.flat = flat
+        self.tail = tail
+        self.agree = list(agree)
+        self.reducer = BucketReducer(flat, plan.bucket_start, group, timeout, tail=tail)
+        self.bucket_of = list(plan.bucket_of)
+        self.bucket_size = [0] * self.reducer.num_buckets
+        for b in self.bucket_of:
+            self.bucket_size[b] += 1
+        self.bucket_done = [0] * self.reducer.num_buckets
+
+    def ready(self, i: int) -> None:
+        """Accumulator ``i`` holds its last gradient of the cycle."""
+        b = self.bucket_of[i]
+        self.bucket_done[b] += 1
+        if self.bucket_done[b] == self.bucket_size[b] and b != self.reducer.scalar_bucket:
+            self.reducer.launch(b)
+
+    def reduce(self, cycle: Any, flushing: bool) -> None:
+        """Sum ``cycle``'s accumulators, weight, non-finite and seen flags over all ranks.
+
+        Raises:
+            RuntimeError: on every rank, in the same round, when the ranks disagree on the
+                cycle (``accum_steps``, the layout, or a flush on some ranks only); the cycle
+                is dropped.
+        """
+        unseen = [a for a, s in zip(cycle.accs, cycle.seen) if not s]
+        if unseen:  # stale values from an earlier cycle must not be summed
+            core.zero(unseen)
+        body = self.flat[: -self.tail]
+        if cycle.reduction == "running_mean":
+            body.mul_(cycle.total_weight)
+        host = [cycle.total_weight, 1.0 if cycle.nonfinite else 0.0]
+        host += agreement_slots([cycle.accum_steps, *self.agree, int(flushing)])
+        host += [0.0] * (SCALAR_SLOTS - len(host))
+        host += [1.0 if s else 0.0 for s in cycle.seen]
+        host += [0.0] * (self.tail - len(host))
+        scalars = self.flat[-self.tail :]
+        scalars.copy_(torch.tensor(host, dtype=torch.float32))
+        self.bucket_done = [0] * self.reducer.num_buckets
+        self.reducer.finish()
+        reduced = scalars.tolist()
+        names = ["accum_steps", "parameter layout", "parameter layout", "flush"]
+        bad = list(dict.fromkeys(disagreement(reduced[AGREE_SLOT:], names)))
+        if bad:
+            cycle.reset()
+            raise RuntimeError(
+                "GradientAccumulateOptimizer: the ranks disagreed on "
+                + ", ".join(bad)
+                + " in this cycle's reduction (different accum_steps or models, or flush() "
+                "called on some ranks and a regular step on others); the cycle was dropped"
+            )
+        cycle.total_weight = float(reduced[0])
+        cycle.nonfinite = bool(reduced[1] > 0) or not math.isfinite(cycle.total_weight)
+        if cycle.reduction == "running_mean" and cycle.total_weight > 0:
+            body.div_(cycle.total_weight)
+        # An accumulator takes part in the update if any rank had a gradient for it (DDP with
+        # find_unused_parameters leaves .grad None where no rank had one).
+        cycle.seen = [n > 0 for n in reduced[SCALAR_SLOTS : SCALAR_SLOTS + len(cycle.accs)]]
+        cycle.sumsq = None
 
 
 def resolve_group(process_group: Any) -> tuple[bool, Any]:

@@ -153,7 +153,7 @@ def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
                 "calls": calls,
                 "ddp_rounds": ddp_rounds["n"],
                 "bytes": opt.bytes_reduced,
-                "buckets": opt._reducer.num_buckets,
+                "buckets": opt.num_buckets,
             },
             os.path.join(out_dir, f"rank{rank}.pt"),
         )

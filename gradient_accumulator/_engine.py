@@ -1,0 +1,282 @@
+"""The accumulation cycle on eager PyTorch tensors, written once.
+
+Both eager adapters drive the C++ core through this class: the PyTorch optimizer wrapper and
+the Keras wrapper on the PyTorch backend. It owns what a cycle is — the fp32 accumulators, which
+parameters had a gradient (``seen``), the micro-step count, the total weight, the non-finite flag,
+the first micro-step's overwrite, a running mean's treatment of a missing gradient, the scale the
+boundary applies and the check that the accumulated result is finite. The adapters translate
+their framework's objects in (gradients, weights, a loss scale) and decide what an update is
+(the inner optimizer's step, their own state, their counters).
+
+The TensorFlow and JAX graph paths of the Keras wrapper keep their backend ops; the rules they
+share with this class are the pure functions at the top of this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradient_accumulator import core
+
+FLT_MAX = 3.4028234663852886e38
+REDUCTIONS = ("mean", "sum", "running_mean")
+
+
+def grad_scale(reduction: str, total_weight: float, loss_scale: float = 1.0) -> float:
+    """What the boundary multiplies the accumulators by: 1/W for a mean (0 for an empty one),
+    1 for a sum or a running mean (already a mean), divided by the loss scale."""
+    if reduction == "mean":
+        if not total_weight > 0:
+            return 0.0
+        scale = 1.0 / total_weight
+    else:
+        scale = 1.0
+    return scale / loss_scale
+
+
+def clip_coef(norm: Any, max_norm: float) -> Any:
+    """min(1, max_norm / (‖g‖ + 1e-6)): a float for a float norm, a tensor for a device norm.
+
+    The core's formula (``csrc/core/formulas.h``), for a norm taken over every group before the
+    per-group apply calls.
+    """
+    coef = max_norm / (norm + 1e-6)
+    return coef.clamp(max=1.0) if isinstance(coef, torch.Tensor) else min(1.0, coef)
+
+
+class Cycle:
+    """One accumulation cycle over a fixed list of fp32 accumulators.
+
+    Args:
+        accs: the accumulators (float32 tensors, one per parameter, written in place).
+        accum_steps: micro-steps per cycle.
+        reduction: ``"mean"``, ``"sum"`` or ``"running_mean"``.
+        device_flag: on CUDA, a 0-dim float32 tensor the core raises for a non-finite gradient,
+            so micro-steps never read the device; :meth:`collect_device_flag` reads it once.
+
+    Attributes (read and written by the adapters, which save and restore them):
+        micro_step, total_weight, nonfinite, seen: the cycle's position, its total weight,
+            whether a micro-step's gradient was NaN/Inf, which accumulators hold a gradient.
+        sumsq: Σacc² of the accumulated result when the last :meth:`fold` computed it.
+    """
+
+    def __init__(
+        self,
+        accs: Sequence[torch.Tensor],
+        accum_steps: int,
+        reduction: str,
+        *,
+        device_flag: torch.Tensor | None = None,
+    ) -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.accs = list(accs)
+        self.accum_steps = accum_steps
+        self.reduction = reduction
+        self.device_flag = device_flag
+        self.cuda = device_flag is not None
+        self._mode = "running_mean" if reduction == "running_mean" else "sum"
+        # Gradients folded in during a backward (see fold_one) before the step that counts them.
+        self.early = False
+        self.early_weight = 1.0
+        self.early_index: set[int] = set()
+        self.reset()
+
+    # ---- position ----
+
+    def reset(self) -> None:
+        """Start a new cycle (the accumulators are overwritten by its first micro-step)."""
+        self.micro_step = 0
+        self.total_weight = 0.0
+        self.nonfinite = False
+        self.sumsq: Any = None
+        self.seen = [False] * len(self.accs)
+
+    @property
+    def boundary_next(self) -> bool:
+        """Whether the next micro-step ends the cycle."""
+        return self.micro_step + 1 >= self.accum_steps
+
+    def seen_index(self) -> list[int]:
+        """The accumulators that hold a gradient of this cycle."""
+        return [i for i, s in enumerate(self.seen) if s]
+
+    # ---- micro-steps ----
+
+    def fold(self, grads: Sequence[torch.Tensor | None], weight: float, *, norm: bool) -> None:
+        """Fold one micro-step's gradients (``None``: no gradient for that accumulator).
+
+        ``grads`` are contiguous, of the accumulators' shapes (the adapter checks). ``norm``:
+        also keep Σacc² of the result (the boundary's clip norm and finiteness check, for free).
+        Everything is checked by the core before anything is written.
+        """
+        early = self.early
+        first = self.micro_step == 0 or (
+            self.reduction == "running_mean" and self.total_weight == 0 and not early
+        )
+        fresh_a, fresh_g, add_a, add_g = [], [], [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            # Accumulators unseen this cycle were zeroed on its first micro-step; a running mean
+            # must still scale a late gradient by w/(W+w), so it adds rather than overwrites.
+            if not first and (self.seen[i] or self.reduction == "running_mean"):
+                add_a.append(self.accs[i])
+                add_g.append(g)
+            else:
+                fresh_a.append(self.accs[i])
+                fresh_g.append(g)
+        # A running mean over a total weight of 0 is empty: the next weighted micro-step starts
+        # it afresh (zero-weight micro-steps only count).
+        empty = self._mode == "running_mean" and self.total_weight + weight == 0 and not early
+        if empty:
+            fresh_a, fresh_g, add_a, add_g = [], [], [], []
+        nonfinite, sumsq = False, 0.0
+        for accs, gs, overwrite in ((fresh_a, fresh_g, True), (add_a, add_g, False)):
+            if not accs:
+                continue
+            r = core.accumulate(
+                accs,
+                gs,
+                weight=weight,
+                mode=self._mode,
+                weight_before=self.total_weight,
+                overwrite=overwrite,
+                compute_sumsq=norm,
+                nonfinite_out=self.device_flag,
+            )
+            if not self.cuda:
+                nonfinite |= r.nonfinite
+            if norm:
+                sumsq += r.sumsq
+        present = [g is not None or i in self.early_index for i, g in enumerate(grads)]
+        if first and empty:
+            self.seen = [False] * len(self.accs)
+        elif first:
+            # Accumulators without a gradient in the cycle's first micro-step start from zero.
+            self.seen = [s or p for s, p in zip(self.seen, present)]
+            missing = [self.accs[i] for i, s in enumerate(self.seen) if not s]
+            if missing:
+                core.zero(missing)
+        else:
+            if self.reduction == "running_mean":
+                # A micro-step without a gradient for an accumulator adds a zero to its mean:
+                # acc ← acc·W/(W+w) for those seen earlier in the cycle but not now.
+                before = self.total_weight - (weight if early else 0.0)
+                stale = [a for a, s, p in zip(self.accs, self.seen, present) if s and not p]
+                if stale and before + weight > 0:
+                    core.apply(
+                        None,
+                        stale,
+                        optimizer="none",
+                        grad_scale=before / (before + weight),
+                        reset=False,
+                    )
+            self.seen = [s or p for s, p in zip(self.seen, present)]
+        self.nonfinite |= nonfinite
+        if not early:
+            self.total_weight += weight
+        self.early = False
+        self.early_index = set()
+        self.micro_step += 1
+        if norm:
+            # Accumulators that this micro-step did not touch still count towards the norm.
+            stale = [a for a, s, g in zip(self.accs, self.seen, grads) if s and g is None]
+            self.sumsq = sumsq + (core.sum_of_squares(stale) if stale else 0.0)
+        else:
+            self.sumsq = None
+
+    def fold_one(self, i: int, grad: torch.Tensor, weight: float) -> None:
+        """Fold accumulator ``i``'s gradient during the backward of the micro-step that
+        :meth:`fold` will count next (its weight is counted now, once)."""
+        if not self.early:
+            self.early = True
+            self.early_weight = weight
+            self.total_weight += weight
+        fresh = self.micro_step == 0 or (not self.seen[i] and self.reduction != "running_mean")
+        r = core.accumulate(
+            [self.accs[i]],
+            [grad],
+            weight=weight,
+            mode=self._mode,
+            weight_before=self.total_weight - weight,
+            overwrite=fresh,
+            nonfinite_out=self.device_flag,
+        )
+        if not self.cuda:
+            self.nonfinite |= r.nonfinite
+        self.seen[i] = True
+        self.early_index.add(i)
+
+    # ---- the boundary ----
+
+    def collect_device_flag(self) -> None:
+        """Fold the CUDA non-finite flag into :attr:`nonfinite` (one device read per cycle)."""
+        if self.device_flag is not None:
+            self.nonfinite |= bool(self.device_flag.item())
+            self.device_flag.zero_()
+
+    def result_norm(self, index: Sequence[int], scale: float) -> Any:
+        """‖accumulators × scale‖ over ``index``, and whether the result is finite.
+
+        Finite micro-step gradients can sum to more than fp32 holds (a huge weight, a loss
+        scale that kept growing): the accumulated result itself is checked. On CPU the norm is
+        a float and a non-finite one sets :attr:`nonfinite`; on CUDA it stays a device tensor
+        and raises the device flag, read with the cycle's one flag read.
+        """
+        if self.cuda:
+            if index:
+                norm = core.sum_of_squares([self.accs[i] for i in index]).sqrt() * abs(scale)
+            else:
+                norm = torch.zeros((), dtype=torch.float64, device=self.device_flag.device)
+            self.device_flag.add_((~(norm <= FLT_MAX)).to(torch.float32))
+            return norm
+        sumsq = self.sumsq
+        if sumsq is None:
+            sumsq = core.sum_of_squares([self.accs[i] for i in index]) if index else 0.0
+        norm = math.sqrt(sumsq) * abs(scale)
+        if not norm <= FLT_MAX:
+            self.nonfinite = True
+        return norm
+
+    # ---- saving ----
+
+    def state(self) -> dict[str, Any]:
+        """The cycle's position (the accumulators are saved by their owner)."""
+        self.collect_device_flag()
+        return {
+            "micro_step": self.micro_step,
+            "total_weight": self.total_weight,
+            "nonfinite": self.nonfinite,
+            "seen": list(self.seen),
+        }
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a saved position that does not fit this cycle (nothing is loaded)."""
+        seen, micro = state["seen"], state["micro_step"]
+        if (
+            not isinstance(seen, (list, tuple))
+            or len(seen) != len(self.accs)
+            or not isinstance(micro, int)
+            or not 0 <= micro < self.accum_steps
+        ):
+            raise ValueError(
+                "state_dict's cycle position (micro_step, seen) does not fit this optimizer "
+                "(truncated or edited)"
+            )
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a position :meth:`check_state` accepted."""
+        if self.device_flag is not None:
+            self.device_flag.zero_()
+        self.micro_step = int(state["micro_step"])
+        self.total_weight = float(state["total_weight"])
+        self.nonfinite = bool(state["nonfinite"])
+        self.seen = [bool(s) for s in state["seen"]]
+        self.sumsq = None
+        self.early = False
+        self.early_index = set()

@@ -1,0 +1,111 @@
+"""What the optimizer wrapper checks about the parameters it is given, once, up front."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from gradient_accumulator import core
+
+
+def parameter_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> list[str]:
+    """How errors name each parameter: its name in ``model``, else its group and index."""
+    named = {}
+    if model is not None:
+        named = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = []
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            names.append(
+                repr(named[id(p)]) if id(p) in named else f"param_groups[{g}]['params'][{j}]"
+            )
+    return names
+
+
+def check_parameters(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Refuse parameters the accumulator buffer cannot hold (raised before anything is built)."""
+    if not params:
+        raise ValueError("optimizer has no parameters")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("a parameter appears twice in the optimizer's param_groups")
+    for i, p in enumerate(params):
+        if p.device.type != "cpu" and not core.has_cuda():
+            raise TypeError(
+                f"parameter {names[i]} is on {p.device}, but this build of "
+                "gradient-accumulator has no CUDA kernels (rebuild with GA_CUDA=ON)"
+            )
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"parameter {names[i]} has dtype {p.dtype}; expected float32/bf16/fp16")
+        if p.device != params[0].device:
+            raise ValueError(
+                f"parameter {names[i]} is on {p.device}, parameter {names[0]} on "
+                f"{params[0].device}: one wrapper holds parameters of one device"
+            )
+    check_layout(params, names)
+
+
+def check_layout(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Refuse now what the core would refuse at the first update (nothing written yet)."""
+    spans = []
+    for i, p in enumerate(params):
+        if not p.is_contiguous():
+            fmt = (
+                "channels-last"
+                if p.dim() in (4, 5)
+                and (
+                    p.is_contiguous(memory_format=torch.channels_last)
+                    or p.is_contiguous(memory_format=torch.channels_last_3d)
+                )
+                else "non-contiguous"
+            )
+            raise ValueError(
+                f"parameter {names[i]} is {fmt}; the update writes parameters as flat "
+                "contiguous buffers (convert the model with "
+                "memory_format=torch.contiguous_format, or keep channels-last activations only)"
+            )
+        if p.numel():
+            start = p.data_ptr()
+            spans.append((start, start + p.numel() * p.element_size(), i))
+    spans.sort()
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            first, second = sorted((a, b))
+            raise ValueError(
+                f"parameters {names[first]} and {names[second]} share memory; "
+                "each parameter must own its storage (tie weights by using one Parameter "
+                "object, which the optimizer then holds once)"
+            )
+
+
+def layout_fingerprint(optimizer: torch.optim.Optimizer, numel: int) -> str:
+    """A digest of what the accumulator buffer's layout depends on (shapes, dtypes, groups)."""
+    h = hashlib.sha256()
+    for group in optimizer.param_groups:
+        h.update(b"|group")
+        for p in group["params"]:
+            h.update(f"{tuple(p.shape)}:{p.dtype};".encode())
+    h.update(f"|{numel}".encode())
+    return h.hexdigest()[:16]
+
+
+def agc_excluded(params: Sequence[torch.Tensor], exclude: str | Iterable[Any]) -> set[int]:
+    """Indices of the parameters adaptive clipping leaves alone (see ``agc_exclude``)."""
+    if isinstance(exclude, str):
+        if exclude != "final":
+            raise ValueError(f"agc_exclude must be 'final' or an iterable, got {exclude!r}")
+        last = max((i for i, p in enumerate(params) if p.dim() >= 2), default=None)
+        if last is None:
+            return set()
+        return {last} | {i for i in range(last + 1, len(params)) if params[i].dim() <= 1}
+    index = {id(p): i for i, p in enumerate(params)}
+    skip: set[int] = set()
+    for item in exclude:
+        tensors = list(item.parameters()) if isinstance(item, torch.nn.Module) else [item]
+        for t in tensors:
+            if id(t) not in index:
+                raise ValueError("agc_exclude names a parameter the optimizer does not hold")
+            skip.add(index[id(t)])
+    return skip

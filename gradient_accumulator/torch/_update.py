@@ -1,0 +1,223 @@
+"""How the boundary's gradient reaches a ``torch.optim`` optimizer.
+
+For ``SGD``, ``Adam`` and ``AdamW`` (amsgrad, capturable and differentiable off) the core's fused
+pass averages, unscales, clips and updates in one sweep, writing the optimizer's own state tensors,
+so its ``state_dict()`` stays that of the plain optimizer. Any other optimizer gets the final
+gradient in ``.grad`` and runs its own ``step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradient_accumulator import core
+
+
+def _float(v: Any) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+def fused_kind(opt: torch.optim.Optimizer) -> str | None:
+    """``"sgd"`` or ``"adam"`` when the core's fused update is the optimizer's own formula."""
+    if type(opt) is torch.optim.SGD:
+        ok = all(not g.get("differentiable", False) for g in opt.param_groups)
+        return "sgd" if ok else None
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        for g in opt.param_groups:
+            if g.get("amsgrad") or g.get("capturable") or g.get("differentiable"):
+                return None
+            if any(isinstance(b, torch.Tensor) for b in g["betas"]):
+                return None
+        return "adam"
+    return None
+
+
+class InnerUpdate:
+    """Applies the accumulated gradient of chosen parameters through a torch optimizer.
+
+    Args:
+        optimizer: the inner optimizer (its groups, hyperparameters and state).
+        params: its parameters, in the order of ``accs``.
+        accs: their fp32 accumulators.
+        agc_skip: indices excluded from adaptive clipping (``None``: AGC off).
+        clip_factor, eps: AGC's λ and ε.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor],
+        accs: Sequence[torch.Tensor],
+        *,
+        agc_skip: set[int] | None,
+        clip_factor: float,
+        eps: float,
+    ) -> None:
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.accs = list(accs)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.agc_skip = agc_skip
+        self.clip_factor = clip_factor
+        self.eps = eps
+        self.kind = fused_kind(optimizer)
+
+    def __call__(self, index: list[int], scale: float, clip_coef: torch.Tensor | None) -> None:
+        """Update the parameters ``index`` with accumulators × ``scale`` (× ``clip_coef``, a
+        device scalar, for those outside AGC)."""
+        if self.kind is None:
+            self._fallback(index, scale, clip_coef)
+            return
+        chosen = set(index)
+        for group in self.optimizer.param_groups:
+            gidx = [self.index[id(p)] for p in group["params"] if self.index[id(p)] in chosen]
+            if gidx and self.kind == "sgd":
+                self._sgd(group, gidx, scale, clip_coef)
+            elif gidx:
+                self._adam(group, gidx, scale, clip_coef)
+        # The inner optimizer's step() did not run; tell an LR scheduler built on it that an
+        # optimizer step happened (torch warns on the first scheduler step otherwise).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _runs(self, ids: Sequence[int]) -> list[tuple[list[int], bool]]:
+        """``ids`` split into (AGC-clipped, excluded) runs."""
+        if self.agc_skip is None:
+            return [(list(ids), False)] if ids else []
+        clipped = [i for i in ids if i not in self.agc_skip]
+        excluded = [i for i in ids if i in self.agc_skip]
+        return [(run, agc) for run, agc in ((clipped, True), (excluded, False)) if run]
+
+    def _common(self, group: dict, agc: bool, coef: Any) -> dict[str, Any]:
+        return dict(
+            lr=_float(group["lr"]),
+            agc=agc,
+            clip_factor=self.clip_factor,
+            agc_eps=self.eps,
+            reset=False,
+            weight_decay=_float(group["weight_decay"]),
+            maximize=bool(group.get("maximize")),
+            clip_coef=None if agc else coef,
+        )
+
+    def _sgd(self, group: dict, gidx: list[int], scale: float, coef: Any) -> None:
+        momentum = _float(group["momentum"])
+        state = self.optimizer.state
+        for ids, agc in self._runs(gidx):
+            # Parameters on their first momentum step (no buffer yet) go in a call of their own.
+            runs = [ids]
+            if momentum != 0:
+                has = [state[self.params[i]].get("momentum_buffer") is not None for i in ids]
+                runs = [[i for i, h in zip(ids, has) if h], [i for i, h in zip(ids, has) if not h]]
+            for run in (r for r in runs if r):
+                params = [self.params[i] for i in run]
+                bufs, initialized = None, True
+                if momentum != 0:
+                    states = [state[p] for p in params]
+                    initialized = states[0].get("momentum_buffer") is not None
+                    if not initialized:
+                        for s, p in zip(states, params):
+                            s["momentum_buffer"] = torch.zeros_like(
+                                p, memory_format=torch.preserve_format
+                            )
+                    bufs = [s["momentum_buffer"] for s in states]
+                core.apply(
+                    [p.detach() for p in params],
+                    [self.accs[i] for i in run],
+                    optimizer="sgd",
+                    grad_scale=scale,
+                    state1=bufs,
+                    momentum=momentum,
+                    dampening=_float(group["dampening"]),
+                    nesterov=bool(group["nesterov"]),
+                    momentum_initialized=initialized,
+                    **self._common(group, agc, coef),
+                )
+                # The core wrote through raw pointers: bump autograd's version counters as an
+                # in-place torch op would, so a backward through an older graph raises.
+                torch.autograd.graph.increment_version(params)
+
+    def _adam(self, group: dict, gidx: list[int], scale: float, coef: Any) -> None:
+        decoupled = bool(
+            group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+        )
+        # Group parameters by their step count (parameters that joined later have fewer steps).
+        by_step: dict[float, list[int]] = {}
+        for i in gidx:
+            p = self.params[i]
+            st = self.optimizer.state[p]
+            if len(st) == 0:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            by_step.setdefault(_float(st["step"]), []).append(i)
+        betas = tuple(_float(b) for b in group["betas"])
+        for step, sidx in by_step.items():
+            for ids, agc in self._runs(sidx):
+                params = [self.params[i] for i in ids]
+                states = [self.optimizer.state[p] for p in params]
+                core.apply(
+                    [p.detach() for p in params],
+                    [self.accs[i] for i in ids],
+                    optimizer="adamw" if decoupled else "adam",
+                    grad_scale=scale,
+                    state1=[s["exp_avg"] for s in states],
+                    state2=[s["exp_avg_sq"] for s in states],
+                    betas=betas,
+                    eps=_float(group["eps"]),
+                    step=int(step) + 1,
+                    **self._common(group, agc, coef),
+                )
+                torch.autograd.graph.increment_version(params)
+                for s in states:
+                    s["step"] += 1
+
+    def _fallback(self, index: list[int], scale: float, coef: Any) -> None:
+        chosen = set(index)
+        for i, p in enumerate(self.params):
+            p.grad = torch.empty_like(p) if i in chosen else None
+        for ids, agc in self._runs(index):
+            core.apply(
+                [self.params[i].detach() for i in ids] if agc else None,
+                [self.accs[i] for i in ids],
+                optimizer="none",
+                grad_scale=scale,
+                grads_out=[self.params[i].grad for i in ids],
+                agc=agc,
+                clip_factor=self.clip_factor,
+                agc_eps=self.eps,
+                reset=False,
+                clip_coef=None if agc else coef,
+            )
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+
+    def run_step_hooks(self, wrapper: Any, hooks: dict, post: bool) -> None:
+        """Fire the step hooks once per real update (micro-steps are not optimizer steps).
+
+        ``hooks`` (registered on the wrapper) see ``wrapper``. When the fused pass replaces the
+        inner optimizer's ``step()``, the inner optimizer's own hooks and torch's global
+        optimizer hooks fire here too, so every path calls each hook exactly once per update.
+        """
+        from torch.optim import optimizer as topt
+
+        for hook in list(hooks.values()):
+            hook(wrapper, (), {})
+        if self.kind is None:
+            return  # the inner optimizer's step() runs and fires its own hooks
+        inner = self.optimizer
+        if post:
+            more = [
+                *inner._optimizer_step_post_hooks.values(),
+                *topt._global_optimizer_post_hooks.values(),
+            ]
+        else:
+            more = [
+                *topt._global_optimizer_pre_hooks.values(),
+                *inner._optimizer_step_pre_hooks.values(),
+            ]
+        for hook in more:
+            hook(inner, (), {})
