@@ -100,23 +100,26 @@ def _strategy() -> Any:
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
 
 
-def _concrete(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
+def _traced(value: Any) -> bool:
+    """Whether this code runs traced or compiled (``value``: a tensor of the call, for JAX)."""
     if _BACKEND == "tensorflow":
         import tensorflow as tf
 
-        traced = not tf.executing_eagerly()
-    elif _BACKEND == "jax":
+        return not tf.executing_eagerly()
+    if _BACKEND == "jax":
         import jax
 
-        traced = isinstance(value, jax.core.Tracer)
-    elif _BACKEND == "torch":
+        return isinstance(value, jax.core.Tracer)
+    if _BACKEND == "torch":
         import torch
 
-        traced = torch.compiler.is_compiling()
-    else:
-        traced = True
-    return None if traced else np.asarray(ops.convert_to_numpy(value))
+        return torch.compiler.is_compiling()
+    return False
+
+
+def _concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
+    return None if _traced(value) else np.asarray(ops.convert_to_numpy(value))
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -387,19 +390,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _eager(self) -> bool:
         """True when this call runs in Python on concrete values (not traced or compiled)."""
-        if _BACKEND == "tensorflow":
-            import tensorflow as tf
-
-            return tf.executing_eagerly()
-        if _BACKEND == "jax":
-            import jax
-
-            return not isinstance(self._skipped.value, jax.core.Tracer)
-        if _BACKEND == "torch":
-            import torch
-
-            return not torch.compiler.is_compiling()
-        return True
+        return not _traced(self._skipped.value)
 
     # -------------------------------------------------------------------------------- build
 

@@ -339,3 +339,32 @@ def test_a_group_added_to_the_inner_optimizer_after_wrapping_is_refused(inner_cl
     assert opt.micro_step == 1
     for p, g in zip(a.parameters(), grads):
         assert torch.equal(p.grad, g)  # the micro-batch is left in place, uncounted
+
+
+def test_accum_steps_assigned_after_construction_is_checked_and_governs_the_cycle():
+    """``opt.accum_steps`` is a public attribute (Lightning forwards it): an assignment is
+    validated like the constructor's argument, and a valid one sets the next cycle's length —
+    three micro-batches of weights 1, 2, 3 then make one update equal to SGD on their weighted
+    mean gradient (fp64 reference, rtol 1e-6)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    start = [p.detach().double().clone() for p in model.parameters()]
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    for bad, err in ((0, ValueError), (2.5, TypeError), ("3", TypeError)):
+        with pytest.raises(err, match="accum_steps"):
+            opt.accum_steps = bad
+    assert opt.accum_steps == 2
+    opt.accum_steps = 3
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    for j, x in enumerate(xs):
+        model(x).square().mean().backward()
+        opt.step(weight=j + 1.0)
+        opt.zero_grad()
+        assert opt.update_applied == (j == 2)
+    ref = [p.clone().requires_grad_(True) for p in start]
+    loss = sum(
+        (j + 1.0) / 6.0 * (x.double() @ ref[0].T + ref[1]).square().mean() for j, x in enumerate(xs)
+    )
+    grads = torch.autograd.grad(loss, ref)
+    for p, s, g in zip(model.parameters(), start, grads):
+        torch.testing.assert_close(p.detach().double(), s - 0.1 * g, rtol=1e-6, atol=1e-7)
