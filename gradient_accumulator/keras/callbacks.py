@@ -52,12 +52,14 @@ class FlushAccumulation(keras.callbacks.Callback):
 
     def _report_nonfinite(self) -> None:
         opt = find_accumulator(getattr(self.model, "optimizer", None))
-        if opt is None or not opt.built or not opt._drops_nonfinite():
+        if opt is None or not opt.built or not opt.drops_nonfinite:
             return
         state = getattr(self.model, "_jax_state", None)
         if state and state.get("optimizer_variables") is not None:
             # JAX fit keeps the current values in the trainer's state until it syncs them.
-            index = [id(v) for v in self.model.optimizer.variables].index(id(opt._skipped))
+            index = [id(v) for v in self.model.optimizer.variables].index(
+                id(opt.counter("skipped"))
+            )
             opt.report_nonfinite(int(state["optimizer_variables"][index]))
         else:
             opt.report_nonfinite()

@@ -181,7 +181,8 @@ class GradientAccumulateModel(keras.Model):
             if opt is not None:
                 trainable, non_trainable, optimizer_values, metrics = state
                 optimizer_values = list(optimizer_values)
-                index = [id(v) for v in self.optimizer.variables].index(id(opt._batch_weight))
+                weight = opt.counter("batch_weight")
+                index = [id(v) for v in self.optimizer.variables].index(id(weight))
                 optimizer_values[index] = _batch_size(data)
                 state = (trainable, non_trainable, optimizer_values, metrics)
             return super().train_step(state, data)
@@ -192,7 +193,7 @@ class GradientAccumulateModel(keras.Model):
             """One micro-step; passes the batch size to the optimizer as the batch's weight."""
             opt = find_accumulator(self.optimizer)
             if opt is not None and opt.built:
-                opt._batch_weight.assign(_batch_size(data))
+                opt.counter("batch_weight").assign(_batch_size(data))
             return super().train_step(data)
 
     def apply_accu_gradients(self) -> bool:
@@ -214,10 +215,8 @@ class GradientAccumulateModel(keras.Model):
     def reinit_grad_accum(self) -> None:
         """Discard the pending micro-batches (the next one starts a new cycle)."""
         opt = find_accumulator(self.optimizer)
-        if opt is not None and opt.built:
-            opt._micro_step.assign(0)
-            opt._total_weight.assign(0.0)
-            opt._nonfinite.assign(0.0)
+        if opt is not None:
+            opt.reset_cycle()
 
     def get_config(self) -> dict[str, Any]:
         """The functional config plus the accumulation settings (``accum_steps`` included)."""

@@ -356,6 +356,29 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         return int(ops.convert_to_numpy(self._skipped)) if self.built else 0
 
+    def counter(self, name: str) -> Any:
+        """One of the variables the cycle lives in, by name: ``"micro_step"``,
+        ``"total_weight"``, ``"nonfinite"``, ``"batch_weight"`` (the coming micro-batch's weight,
+        which :class:`GradientAccumulateModel` writes before each train step), ``"loss_scale"``,
+        ``"growth"`` or ``"skipped"``. Built optimizers only."""
+        if name not in _SCALARS:
+            raise ValueError(f"name must be one of {_SCALARS}, got {name!r}")
+        if not self.built:
+            raise ValueError("the optimizer is not built yet (call build() or apply() first)")
+        return getattr(self, f"_{name}")
+
+    def reset_cycle(self) -> None:
+        """Discard the pending micro-batches: the next one starts a new cycle."""
+        if self.built:
+            self._micro_step.assign(0)
+            self._total_weight.assign(0.0)
+            self._nonfinite.assign(0.0)
+
+    @property
+    def drops_nonfinite(self) -> bool:
+        """Whether ``on_nonfinite`` decides about a non-finite cycle (the loss scaler does not)."""
+        return self._drops_nonfinite()
+
     def _drops_nonfinite(self) -> bool:
         """Whether ``on_nonfinite`` decides about a non-finite cycle (the loss scaler does not)."""
         return not self.mixed_precision and self.on_nonfinite != "apply"

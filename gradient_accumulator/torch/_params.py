@@ -1,4 +1,5 @@
-"""What the optimizer wrapper checks about the parameters it is given, once, up front."""
+"""What the optimizer wrapper checks about the parameters it is given (once, up front) and about
+a checkpoint it is asked to load (before anything is loaded)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,69 @@ def agc_excluded(params: Sequence[torch.Tensor], exclude: str | Iterable[Any]) -
                 raise ValueError("agc_exclude names a parameter the optimizer does not hold")
             skip.add(index[id(t)])
     return skip
+
+
+_SAVED = ("layout", "accum_steps", "reduction", "micro_step", "total_weight", "nonfinite")
+_SAVED += ("updates", "seen", "accumulators")
+
+
+def check_saved(
+    state_dict: Any,
+    *,
+    layout: str,
+    flat: torch.Tensor,
+    accum_steps: int,
+    reduction: str,
+    groups: list[int],
+) -> None:
+    """Refuse a ``state_dict`` of another model (a different layout fingerprint, even with a
+    buffer of the same size), of other settings, or with entries missing or of the wrong kind.
+
+    Raises:
+        ValueError: saying which.
+    """
+    if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
+        raise ValueError("state_dict was not produced by GradientAccumulateOptimizer")
+    acc = state_dict.get("accumulation")
+    if not isinstance(acc, dict):
+        raise ValueError(
+            "state_dict has no 'accumulation' entry (not produced by "
+            "GradientAccumulateOptimizer, or truncated)"
+        )
+    missing = [k for k in _SAVED if k not in acc]
+    if missing:
+        raise ValueError(
+            f"state_dict['accumulation'] lacks {missing} (truncated, or saved by an older version)"
+        )
+    if acc["layout"] != layout:
+        raise ValueError(
+            f"state_dict was saved for another parameter layout (fingerprint "
+            f"{acc['layout']!r}, this optimizer's is {layout!r}): the parameters' "
+            "shapes, dtypes or groups differ"
+        )
+    saved = acc["accumulators"]
+    if not (
+        isinstance(saved, torch.Tensor)
+        and saved.dtype == torch.float32
+        and saved.shape == flat.shape
+    ):
+        raise ValueError("state_dict's accumulators do not match this optimizer's parameters")
+    if acc["accum_steps"] != accum_steps or acc["reduction"] != reduction:
+        raise ValueError(
+            "state_dict was saved with accum_steps/reduction "
+            f"{acc['accum_steps']}/{acc['reduction']}, this optimizer uses "
+            f"{accum_steps}/{reduction}"
+        )
+    inner = state_dict["optimizer"]
+    if not (
+        isinstance(inner, dict)
+        and isinstance(inner.get("param_groups"), list)
+        and isinstance(inner.get("state"), dict)
+    ):
+        raise ValueError("state_dict['optimizer'] is not an optimizer state dict")
+    sizes = [len(g.get("params", ())) for g in inner["param_groups"]]
+    if sizes != groups:
+        raise ValueError(
+            f"state_dict['optimizer'] has groups of {sizes} parameters, the inner optimizer "
+            f"{groups}"
+        )

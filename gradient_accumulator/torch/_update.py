@@ -221,3 +221,32 @@ class InnerUpdate:
             ]
         for hook in more:
             hook(inner, (), {})
+
+
+class LossScale:
+    """A ``torch.amp.GradScaler`` seen once per cycle: the scale the losses were multiplied by,
+    and the scaler's own rule applied at the boundary (back off after a non-finite cycle, grow
+    after ``growth_interval`` good ones). ``scaler`` may be None or disabled: scale 1."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.growth_tracker = 0
+
+    def enabled(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def scale(self) -> float:
+        return float(self.scaler.get_scale()) if self.enabled() else 1.0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled():
+            return
+        scaler, scale = self.scaler, self.scale()
+        if found_inf:
+            new_scale, self.growth_tracker = scale * scaler.get_backoff_factor(), 0
+        else:
+            self.growth_tracker += 1
+            new_scale = scale
+            if self.growth_tracker >= scaler.get_growth_interval():
+                new_scale, self.growth_tracker = scale * scaler.get_growth_factor(), 0
+        scaler.update(new_scale)

@@ -50,6 +50,22 @@ _COMPILE_REASON = (
 )
 
 
+def layers_to_flush(model: nn.Module | None, index: dict[int, int]) -> list[nn.Module]:
+    """The AccumBatchNorm layers an optimizer flushes with its own partial cycle, in an order
+    every rank shares: those of ``model``, then the live layers whose affine weight the
+    optimizer holds (``index``: parameter id → position), by that position."""
+    layers: list[nn.Module] = []
+    if model is not None:
+        layers = [m for m in model.modules() if isinstance(m, _AccumBatchNormMixin)]
+    known = {id(m) for m in layers}
+    held = sorted(
+        (index[id(m.weight)], m)
+        for m in live_layers()
+        if id(m) not in known and isinstance(m.weight, torch.Tensor) and id(m.weight) in index
+    )
+    return layers + [m for _, m in held]
+
+
 class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,7 @@ class CycleReduction:
 
     The accumulators, the total weight, the non-finite flag, the ranks' agreement and one "seen"
     flag per accumulator are summed in one round (the scalars ride in the last bucket). With
-    overlap, :meth:`ready` launches a bucket's all-reduce as soon as its last gradient of the
+    overlap (:meth:`overlap`), a bucket's all-reduce starts as soon as its last gradient of the
     cycle has been folded in, during the backward.
 
     Args:
@@ -170,8 +170,8 @@ class CycleReduction:
         plan: its ``core.arena_plan`` (bucket starts, each accumulator's bucket).
         group, timeout: as for :class:`BucketReducer`.
         tail: ``SCALAR_SLOTS`` plus room for the seen flags.
-        agree: small integers every rank must hold besides the cycle's ``accum_steps`` (two
-            bytes of the layout fingerprint).
+        layout: the buffer's layout fingerprint (hex digits).
+        settings: named integers every rank must hold, checked once here (one all-reduce).
     """
 
     def __init__(
@@ -181,11 +181,16 @@ class CycleReduction:
         group: Any,
         timeout: float | None,
         tail: int,
-        agree: list[int],
+        layout: str,
+        settings: dict[str, int],
     ) -> None:
+        # Ranks that disagree on the cycle or the layout would pair wrong collectives (or
+        # abort inside the backend on different sizes): one clear error on every rank now.
+        check_ranks_agree(group, settings, flat.device)
         self.flat = flat
         self.tail = tail
-        self.agree = list(agree)
+        # Checked again in every cycle's round, besides its accum_steps: two bytes of the layout.
+        self.agree = [int(layout[:2], 16), int(layout[2:4], 16)]
         self.reducer = BucketReducer(flat, plan.bucket_start, group, timeout, tail=tail)
         self.bucket_of = list(plan.bucket_of)
         self.bucket_size = [0] * self.reducer.num_buckets
@@ -199,6 +204,29 @@ class CycleReduction:
         self.bucket_done[b] += 1
         if self.bucket_done[b] == self.bucket_size[b] and b != self.reducer.scalar_bucket:
             self.reducer.launch(b)
+
+    def overlap(
+        self, params: list[torch.Tensor], cycle: Any, weight: Callable[[], float]
+    ) -> list[Any]:
+        """Fold each gradient of a cycle's last backward into ``cycle`` as soon as autograd has
+        it (``weight()``: the micro-batch's weight, named before the backward), and launch a
+        bucket's all-reduce as soon as the bucket is complete. Returns the hook handles."""
+        index = {id(p): i for i, p in enumerate(params)}
+
+        def ready(p: torch.Tensor) -> None:
+            if not cycle.boundary_next or p.grad is None:
+                return
+            i = index[id(p)]
+            # Already folded: a backward of this micro-batch raised after folding it (and maybe
+            # launching its bucket); the retried backward brings the same gradient again.
+            if i not in cycle.early_index:
+                g = p.grad.detach()
+                with torch.no_grad():
+                    cycle.fold_one(i, g if g.is_contiguous() else g.contiguous(), weight())
+                self.ready(i)
+            p.grad = None
+
+        return [p.register_post_accumulate_grad_hook(ready) for p in params]
 
     def reduce(self, cycle: Any, flushing: bool) -> None:
         """Sum ``cycle``'s accumulators, weight, non-finite and seen flags over all ranks.

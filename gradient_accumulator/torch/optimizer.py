@@ -25,13 +25,9 @@ from gradient_accumulator.torch._proxy import (
     is_lightning_proxy,
     unwrap_optimizer,
 )
-from gradient_accumulator.torch._update import InnerUpdate
-from gradient_accumulator.torch.distributed import (
-    SCALAR_SLOTS,
-    CycleReduction,
-    check_ranks_agree,
-    resolve_group,
-)
+from gradient_accumulator.torch._update import InnerUpdate, LossScale
+from gradient_accumulator.torch.batchnorm import layers_to_flush
+from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
 
@@ -44,8 +40,6 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
-_SAVED = ("layout", "accum_steps", "reduction", "micro_step", "total_weight", "nonfinite")
-_SAVED += ("updates", "seen", "accumulators")
 
 
 class AccumulationState(NamedTuple):
@@ -62,6 +56,19 @@ class AccumulationState(NamedTuple):
     total_weight: float
     nonfinite: bool
     updates: int
+
+
+def _inner_attribute(name: str) -> property:
+    """The inner optimizer's ``name``, always its current object (its ``load_state_dict()``
+    replaces them, and an LR scheduler must keep acting on them)."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.optimizer, name)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self.optimizer, name, value)
+
+    return property(get, set_, doc=f"The inner optimizer's ``{name}``.")
 
 
 def _dense(g: torch.Tensor, p: torch.Tensor, name: str) -> torch.Tensor:
@@ -212,7 +219,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.clip_factor, self.eps = float(clip_factor), float(eps)
-        self.grad_scaler = grad_scaler
+        self._scaler = LossScale(grad_scaler)
         self.model = model
         self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
         # The inner optimizer's groups, state and defaults are the wrapper's (properties below
@@ -261,28 +268,21 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._next_weight: float | None = None
         if self._distributed:
-            # Ranks that disagree on the cycle or the layout would pair wrong collectives (or
-            # abort inside the backend on different sizes): one clear error on every rank now.
-            check_ranks_agree(
-                group,
-                {
-                    "accum_steps": self.accum_steps,
-                    "reduction": REDUCTIONS.index(self.reduction),
-                    "number of parameters": len(self._params),
-                    "accumulator elements": self._flat.numel(),
-                    "buckets": len(plan.bucket_start),
-                    "layout fingerprint": int(self._layout[:12], 16),
-                    "overlap_reduce": int(bool(overlap_reduce)),
-                },
-                device,
+            agree = {
+                "accum_steps": self.accum_steps,
+                "reduction": REDUCTIONS.index(self.reduction),
+                "number of parameters": len(self._params),
+                "accumulator elements": self._flat.numel(),
+                "buckets": len(plan.bucket_start),
+                "layout fingerprint": int(self._layout[:12], 16),
+                "overlap_reduce": int(bool(overlap_reduce)),
+            }
+            self._reduction = CycleReduction(
+                self._flat, plan, group, reduce_timeout, tail, self._layout, agree
             )
-            agree = [int(self._layout[:2], 16), int(self._layout[2:4], 16)]
-            self._reduction = CycleReduction(self._flat, plan, group, reduce_timeout, tail, agree)
             if overlap_reduce:
-                for p in self._params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                self._hooks = self._reduction.overlap(self._params, self._cycle, self._hook_weight)
         self._updates = 0
-        self._growth_tracker = 0
         self._flushing = False  # the reduction in progress is a flush's (checked across ranks)
         self.update_applied = False
         self.last_grad_norm: Any = None
@@ -296,34 +296,20 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def accum_steps(self, value: int) -> None:
         self._cycle.accum_steps = _validation.check_accum_steps(value)
 
+    @property
+    def grad_scaler(self) -> Any:
+        """The ``torch.amp.GradScaler`` the losses are scaled by (None: no loss scaling)."""
+        return self._scaler.scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, value: Any) -> None:
+        self._scaler.scaler = value
+
     # ---- the inner optimizer's state, always its current objects ----
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The inner optimizer's ``param_groups`` (the same list, whatever replaced it)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        """The inner optimizer's ``state``."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's ``defaults``."""
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+    param_groups = _inner_attribute("param_groups")  # type: ignore[assignment]
+    state = _inner_attribute("state")  # type: ignore[assignment]
+    defaults = _inner_attribute("defaults")  # type: ignore[assignment]
 
     @property
     def uses_fused_apply(self) -> bool:
@@ -465,22 +451,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 )
         return weight
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: during the cycle's last backward, fold the gradient into
-        its accumulator at once and start its bucket's reduction when the bucket is complete."""
-        cycle = self._cycle
-        if not cycle.boundary_next or p.grad is None:
-            return
-        i = self._index[id(p)]
-        # A gradient already folded: a backward of this micro-batch raised after folding it
-        # (and maybe launching its bucket); the retried backward brings the same gradient again.
-        if i not in cycle.early_index:
-            weight = self._next_weight if self._next_weight is not None else 1.0
-            with torch.no_grad():
-                cycle.fold_one(i, _dense(p.grad, p, self._names[i]), weight)
-            assert self._reduction is not None
-            self._reduction.ready(i)
-        p.grad = None
+    def _hook_weight(self) -> float:
+        """The weight gradients folded in during a backward take (see ``expect_weight``)."""
+        return self._next_weight if self._next_weight is not None else 1.0
 
     def flush(self) -> bool:
         """End of data: apply a partial cycle with its true weight (``leftover="apply"``).
@@ -507,41 +480,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     applied = self._apply()
                 finally:
                     self._flushing = False
-            for layer in self._batchnorm_layers():
+            for layer in layers_to_flush(self.model, self._index):
                 layer.flush()
         return applied
-
-    def _batchnorm_layers(self) -> list[torch.nn.Module]:
-        """The AccumBatchNorm layers flushed with the optimizer, in an order every rank shares."""
-        from gradient_accumulator.torch.batchnorm import _AccumBatchNormMixin, live_layers
-
-        layers: list[torch.nn.Module] = []
-        if self.model is not None:
-            layers = [m for m in self.model.modules() if isinstance(m, _AccumBatchNormMixin)]
-        known = {id(m) for m in layers}
-        held = sorted(
-            (self._index[id(m.weight)], m)
-            for m in live_layers()
-            if id(m) not in known
-            and isinstance(m.weight, torch.Tensor)
-            and id(m.weight) in self._index
-        )
-        return layers + [m for _, m in held]
-
-    def _update_scaler(self, found_inf: bool) -> None:
-        """GradScaler's own rule, once per cycle: back off on inf, grow after an interval."""
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return
-        scale = float(scaler.get_scale())
-        if found_inf:
-            new_scale, self._growth_tracker = scale * scaler.get_backoff_factor(), 0
-        else:
-            self._growth_tracker += 1
-            new_scale = scale
-            if self._growth_tracker >= scaler.get_growth_interval():
-                new_scale, self._growth_tracker = scale * scaler.get_growth_factor(), 0
-        scaler.update(new_scale)
 
     def _apply(self) -> bool:
         cycle = self._cycle
@@ -549,15 +490,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             cycle.collect_device_flag()
             self._reduction.reduce(cycle, self._flushing)
         idx = cycle.seen_index()
-        scaling = self.grad_scaler is not None and self.grad_scaler.is_enabled()
-        loss_scale = float(self.grad_scaler.get_scale()) if scaling else 1.0
-        scale = grad_scale(self.reduction, cycle.total_weight, loss_scale)
+        scaling = self._scaler.enabled()
+        scale = grad_scale(self.reduction, cycle.total_weight, self._scaler.scale())
         norm = cycle.result_norm(idx, scale)
         cycle.collect_device_flag()
         cycle.nonfinite |= not math.isfinite(cycle.total_weight)
         if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):
             # Skip the whole cycle: nothing half-applied, accumulators start over.
-            self._update_scaler(True)
+            self._scaler.update(found_inf=True)
             cycle.reset()
             self.last_grad_norm = float("nan")
             if not scaling:
@@ -580,7 +520,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 scale *= clip_coef(norm, self.max_grad_norm)
         self._update(idx, scale, coef)
         self._updates += 1
-        self._update_scaler(False)
+        self._scaler.update(found_inf=False)
         cycle.reset()
         self.update_applied = True
         self._update.run_step_hooks(self, self._optimizer_step_post_hooks, post=True)
@@ -596,7 +536,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         """
         accumulation = {"layout": self._layout, "accum_steps": self.accum_steps}
         accumulation.update(reduction=self.reduction, **self._cycle.state())
-        accumulation.update(updates=self._updates, growth_tracker=self._growth_tracker)
+        accumulation.update(updates=self._updates, growth_tracker=self._scaler.growth_tracker)
         accumulation["accumulators"] = self._flat.clone()
         return {"optimizer": self.optimizer.state_dict(), "accumulation": accumulation}
 
@@ -608,59 +548,21 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         or with entries missing or of the wrong kind raises ``ValueError`` and leaves this
         optimizer and the inner one as they were.
         """
-        if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
-            raise ValueError("state_dict was not produced by GradientAccumulateOptimizer")
-        acc = state_dict.get("accumulation")
-        if not isinstance(acc, dict):
-            raise ValueError(
-                "state_dict has no 'accumulation' entry (not produced by "
-                "GradientAccumulateOptimizer, or truncated)"
-            )
-        missing = [k for k in _SAVED if k not in acc]
-        if missing:
-            raise ValueError(
-                f"state_dict['accumulation'] lacks {missing} (truncated, or saved "
-                "by an older version)"
-            )
-        if acc["layout"] != self._layout:
-            raise ValueError(
-                f"state_dict was saved for another parameter layout (fingerprint "
-                f"{acc['layout']!r}, this optimizer's is {self._layout!r}): the parameters' "
-                "shapes, dtypes or groups differ"
-            )
-        flat = acc["accumulators"]
-        if not (
-            isinstance(flat, torch.Tensor)
-            and flat.dtype == torch.float32
-            and flat.shape == self._flat.shape
-        ):
-            raise ValueError("state_dict's accumulators do not match this optimizer's parameters")
-        if acc["accum_steps"] != self.accum_steps or acc["reduction"] != self.reduction:
-            raise ValueError(
-                "state_dict was saved with accum_steps/reduction "
-                f"{acc['accum_steps']}/{acc['reduction']}, this optimizer uses "
-                f"{self.accum_steps}/{self.reduction}"
-            )
+        _params.check_saved(
+            state_dict,
+            layout=self._layout,
+            flat=self._flat,
+            accum_steps=self.accum_steps,
+            reduction=self.reduction,
+            groups=[len(g["params"]) for g in self.optimizer.param_groups],
+        )
+        acc, inner = state_dict["accumulation"], state_dict["optimizer"]
         self._cycle.check_state(acc)
-        inner = state_dict["optimizer"]
-        if not (
-            isinstance(inner, dict)
-            and isinstance(inner.get("param_groups"), list)
-            and isinstance(inner.get("state"), dict)
-        ):
-            raise ValueError("state_dict['optimizer'] is not an optimizer state dict")
-        sizes = [len(g.get("params", ())) for g in inner["param_groups"]]
-        own = [len(g["params"]) for g in self.optimizer.param_groups]
-        if sizes != own:
-            raise ValueError(
-                f"state_dict['optimizer'] has groups of {sizes} parameters, the inner optimizer "
-                f"{own}"
-            )
         self.optimizer.load_state_dict(inner)
-        self._flat.copy_(flat)
+        self._flat.copy_(acc["accumulators"])
         self._cycle.load_state(acc)
         self._updates = int(acc["updates"])
-        self._growth_tracker = int(acc.get("growth_tracker", 0))
+        self._scaler.growth_tracker = int(acc.get("growth_tracker", 0))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported after wrapping: the accumulator buffer is laid out once."""

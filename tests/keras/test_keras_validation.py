@@ -107,3 +107,25 @@ def test_choices_and_bools():
         GradientAccumulateOptimizer("SGD", 2, initial_scale=-1.0)
     with pytest.raises(ValueError, match="dynamic_growth_steps"):
         GradientAccumulateOptimizer("SGD", 2, dynamic_growth_steps=0)
+
+
+def test_counter_names_its_argument_and_returns_the_cycle_variable():
+    """``counter(name)`` (what the model wrapper and callbacks use to reach the cycle's
+    variables): an unknown name or an unbuilt optimizer is a ValueError; a known name is the
+    very variable among ``variables`` that a micro-step moves, and ``reset_cycle`` zeroes it."""
+    opt = GradientAccumulateOptimizer("SGD", 3)
+    with pytest.raises(ValueError, match="not built"):
+        opt.counter("micro_step")
+    w = keras.Variable(np.ones((2,), "float32"))
+    opt.build([w])
+    with pytest.raises(ValueError, match="name must be one of"):
+        opt.counter("micro_steps")
+    step = opt.counter("micro_step")
+    assert any(v is step for v in opt.variables)
+    opt.counter("batch_weight").assign(4.0)
+    opt.apply([keras.ops.ones((2,))], [w])
+    assert int(keras.ops.convert_to_numpy(step)) == 1
+    assert float(keras.ops.convert_to_numpy(opt.counter("total_weight"))) == 4.0
+    opt.reset_cycle()
+    assert opt.pending() == 0
+    assert float(keras.ops.convert_to_numpy(opt.counter("total_weight"))) == 0.0
