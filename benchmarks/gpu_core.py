@@ -287,7 +287,7 @@ def bench_step(repeats: int, warmup: int, b: int = 8, ctx: int = 256) -> dict:
 
     plain_opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     never = GradientAccumulateOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=LR, fused=True), 2**62
+        torch.optim.AdamW(model.parameters(), lr=LR, fused=True), 2**31 - 1
     )
 
     def plain_micro() -> None:

@@ -97,7 +97,7 @@ except ImportError:  # run from a checkout: benchmarks/ sits next to the package
 
 K = 8  # micro-batches per update
 LR, WD, MAX_NORM = 1e-3, 0.01, 1.0
-NEVER = 2**62  # accum_steps that no benchmark reaches: every step() is a non-boundary one
+NEVER = 2**31 - 1  # accum_steps that no benchmark reaches: every step() is a non-boundary one
 
 # Model and parameter-set sizes: full run and --small.
 CONFIGS = {
@@ -181,10 +181,13 @@ def plain_cycle(model: nn.Module, batches) -> Callable[[], torch.Tensor]:
     return run
 
 
-def ours_cycle(model: nn.Module, batches) -> Callable[[], None]:
+def ours_cycle(model: nn.Module, batches, view: bool = False) -> Callable[[], None]:
     """The adapter's loop: backward, step, zero_grad on every micro-batch."""
     opt = GradientAccumulateOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), K, max_grad_norm=MAX_NORM
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD),
+        K,
+        max_grad_norm=MAX_NORM,
+        gradient_as_view=view,
     )
 
     def run() -> None:
@@ -315,16 +318,24 @@ def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tup
     x0, y0 = batches[0]
 
     # K-cycle objects, cross-checked first (the same objects are timed below).
-    m_cp, m_co = copy.deepcopy(base), copy.deepcopy(base)
+    m_cp, m_co, m_cv = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     cyc_plain, cyc_ours = plain_cycle(m_cp, batches), ours_cycle(m_co, batches)
+    cyc_view = ours_cycle(m_cv, batches, view=True)
     if dtype == torch.float32:
         check = check_fp32_cycle(cyc_plain, cyc_ours, m_cp, m_co)
+        cyc_view()
+        cyc_view()
+        check["view_max_rel_diff_cycle2"] = max(
+            float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
+            for a, b in zip(m_cv.parameters(), m_co.parameters())
+        )
         print(
             f"cross-check {label}: ours vs torch (clip + fused AdamW), cycles of K={K}: "
             f"weights max rel diff {check['weights_max_rel_diff_cycle1']:.1e} after "
             f"one, {check['weights_max_rel_diff_cycle2']:.1e} after two; update rel diff "
             f"{check['update_rel_diff']:.1e}; clipped grad norm "
-            f"{check['grad_norm_ours']:.6g} vs {check['grad_norm_torch']:.6g}",
+            f"{check['grad_norm_ours']:.6g} vs {check['grad_norm_torch']:.6g}; "
+            f"gradient_as_view vs default after two: {check['view_max_rel_diff_cycle2']:.1e}",
             flush=True,
         )
     else:
@@ -338,9 +349,14 @@ def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tup
         )
 
     # Micro-step objects: one model per loop, so that .grad states do not mix.
-    m_acc, m_fresh, m_ours = (copy.deepcopy(base) for _ in range(3))
+    m_acc, m_fresh, m_ours, m_view = (copy.deepcopy(base) for _ in range(4))
     opt_micro = GradientAccumulateOptimizer(
         torch.optim.AdamW(m_ours.parameters(), lr=LR, weight_decay=WD), NEVER
+    )
+    opt_view = GradientAccumulateOptimizer(
+        torch.optim.AdamW(m_view.parameters(), lr=LR, weight_decay=WD),
+        NEVER,
+        gradient_as_view=True,
     )
 
     def plain_acc() -> None:
@@ -358,11 +374,17 @@ def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tup
         forward_backward(m_ours, x0, y0, 1.0)
         ours_step()
 
+    def view_micro() -> None:
+        forward_backward(m_view, x0, y0, 1.0)
+        opt_view.step()
+        opt_view.zero_grad()
+
     names = dict(
         acc="plain: fwd + (loss/K).backward()",
         fresh="plain: fwd + bwd + zero_grad() (fresh .grad)",
         ours="ours: fwd + bwd + step() + zero_grad()",
         step="ours: step() + zero_grad() alone",
+        view="ours, gradient_as_view: fwd + bwd + step() + zero_grad()",
     )
     res = round_robin(
         {
@@ -370,19 +392,28 @@ def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tup
             names["fresh"]: (None, plain_fresh),
             names["ours"]: (None, ours_micro),
             names["step"]: (lambda: forward_backward(m_ours, x0, y0, 1.0), ours_step),
+            names["view"]: (None, view_micro),
         },
         repeats * 4,
         warmup * 2,
     )
     assert opt_micro.micro_step > 0 and not opt_micro.update_applied
+    assert opt_view.micro_step > 0 and not opt_view.update_applied
     rows = record(f"{label} micro-step", res, names["ours"])
 
     cyc = dict(
         plain=f"plain: {K} x (fwd + bwd) + clip + AdamW(fused) + zero",
         ours=f"ours: {K} x (fwd + bwd + step + zero), AdamW + clip",
+        view="ours, gradient_as_view: the same",
     )
     res_c = round_robin(
-        {cyc["plain"]: (None, cyc_plain), cyc["ours"]: (None, cyc_ours)}, repeats, warmup
+        {
+            cyc["plain"]: (None, cyc_plain),
+            cyc["ours"]: (None, cyc_ours),
+            cyc["view"]: (None, cyc_view),
+        },
+        repeats,
+        warmup,
     )
     assert cyc_ours.optimizer.micro_step == 0  # type: ignore[attr-defined]
     rows += record(f"{label} {K}-cycle", res_c, cyc["ours"])
@@ -394,12 +425,16 @@ def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tup
         ours_micro_ms=res[names["ours"]] * 1e3,
         overhead_ms=res[names["ours"]] * 1e3 - plain_ms,
         overhead_pct=100 * (res[names["ours"]] * 1e3 / plain_ms - 1),
+        view_micro_ms=res[names["view"]] * 1e3,
+        view_overhead_pct=100 * (res[names["view"]] * 1e3 / plain_ms - 1),
         step_alone_ms=res[names["step"]] * 1e3,
         step_alone_pct=100 * res[names["step"]] * 1e3 / plain_ms,
         fresh_grad_pct=100 * (res[names["fresh"]] * 1e3 / plain_ms - 1),
         plain_cycle_ms=res_c[cyc["plain"]] * 1e3,
         ours_cycle_ms=res_c[cyc["ours"]] * 1e3,
         cycle_overhead_pct=100 * (res_c[cyc["ours"]] / res_c[cyc["plain"]] - 1),
+        view_cycle_ms=res_c[cyc["view"]] * 1e3,
+        view_cycle_overhead_pct=100 * (res_c[cyc["view"]] / res_c[cyc["plain"]] - 1),
         cross_check=check,
     )
     return rows, summary
@@ -512,11 +547,13 @@ def print_summary(s: dict) -> None:
         f"{s['plain_micro_ms']:.2f} ms: overhead {s['overhead_ms']:+.2f} ms "
         f"({s['overhead_pct']:+.1f}% of the plain step); step() + zero_grad() alone "
         f"{s['step_alone_ms']:.2f} ms ({s['step_alone_pct']:.1f}%); fresh .grad instead of "
-        f"accumulating in backward: {s['fresh_grad_pct']:+.1f}%"
+        f"accumulating in backward: {s['fresh_grad_pct']:+.1f}%; gradient_as_view "
+        f"{s['view_micro_ms']:.2f} ms ({s['view_overhead_pct']:+.1f}%)"
     )
     print(
         f"{s['dtype']} {K}-cycle: ours {s['ours_cycle_ms']:.1f} ms vs plain "
-        f"{s['plain_cycle_ms']:.1f} ms ({s['cycle_overhead_pct']:+.1f}%)"
+        f"{s['plain_cycle_ms']:.1f} ms ({s['cycle_overhead_pct']:+.1f}%); gradient_as_view "
+        f"{s['view_cycle_ms']:.1f} ms ({s['view_cycle_overhead_pct']:+.1f}%)"
     )
 
 

@@ -107,12 +107,21 @@ class Cycle:
 
     # ---- micro-steps ----
 
-    def fold(self, grads: Sequence[torch.Tensor | None], weight: float, *, norm: bool) -> None:
+    def fold(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        weight: float,
+        *,
+        norm: bool,
+        held: Sequence[int] = (),
+    ) -> None:
         """Fold one micro-step's gradients (``None``: no gradient for that accumulator).
 
         ``grads`` are contiguous, of the accumulators' shapes (the adapter checks). ``norm``:
         also keep Σacc² of the result (the boundary's clip norm and finiteness check, for free).
-        Everything is checked by the core before anything is written.
+        ``held``: accumulators that already hold this micro-step's gradient, weighted (autograd
+        added it into them); they count as having one. Everything is checked by the core before
+        anything is written.
         """
         early = self.early
         first = self.micro_step == 0 or (
@@ -153,7 +162,8 @@ class Cycle:
                 nonfinite |= r.nonfinite
             if norm:
                 sumsq += r.sumsq
-        present = [g is not None or i in self.early_index for i, g in enumerate(grads)]
+        held_now = self.early_index.union(held)
+        present = [g is not None or i in held_now for i, g in enumerate(grads)]
         if first and empty:
             self.seen = [False] * len(self.accs)
         elif first:

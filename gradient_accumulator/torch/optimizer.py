@@ -26,6 +26,7 @@ from gradient_accumulator.torch._proxy import (
     unwrap_optimizer,
 )
 from gradient_accumulator.torch._update import InnerUpdate, LossScale
+from gradient_accumulator.torch._views import GradViews
 from gradient_accumulator.torch.batchnorm import layers_to_flush
 from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
 
@@ -143,6 +144,16 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         model: the module the parameters come from (optional). Errors then name parameters
             by their names in it, and :meth:`flush` also flushes its ``AccumBatchNorm*d``
             layers (without it, those whose affine weight this optimizer holds).
+        gradient_as_view: make each fp32 parameter's ``.grad`` a view of its accumulator, so
+            autograd adds every micro-batch's gradient into it in place and ``step()`` makes no
+            pass over the gradients (as DDP's ``gradient_as_bucket_view``). A micro-batch's
+            weight must then be known before its backward: the default 1, or
+            ``accumulate(model, opt, weight=...)``; ``step(weight=w)`` with another weight is
+            refused. Keep ``.grad`` alone between micro-batches: ``opt.zero_grad()`` keeps the
+            views, ``model.zero_grad()`` drops them (exact, but each step then copies again),
+            and ``zero_grad(set_to_none=False)`` on the model or the inner optimizer would zero
+            the accumulators. Needs ``reduction="mean"`` or ``"sum"``; bf16/fp16 parameters keep
+            the fold; under torch.distributed the reduction runs after the backward.
 
     Attributes:
         update_applied: whether the last :meth:`step` (or :meth:`flush`) updated the weights.
@@ -192,6 +203,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         reduce_timeout: float | None = None,
         on_nonfinite: str = "skip",
         model: torch.nn.Module | None = None,
+        gradient_as_view: bool = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -213,6 +225,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler")
+        gradient_as_view = _validation.check_bool(gradient_as_view, "gradient_as_view")
+        if gradient_as_view and self.reduction == "running_mean":
+            raise ValueError(
+                "gradient_as_view needs reduction='mean' or 'sum' (autograd adds gradients into "
+                "the accumulators; a running mean rescales them every micro-step)"
+            )
         bucket_cap_mb = _validation.check_positive(bucket_cap_mb, "bucket_cap_mb")
         if reduce_timeout is not None:
             reduce_timeout = _validation.check_positive(reduce_timeout, "reduce_timeout")
@@ -280,10 +298,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             self._reduction = CycleReduction(
                 self._flat, plan, group, reduce_timeout, tail, self._layout, agree
             )
-            if overlap_reduce:
+            if overlap_reduce and not gradient_as_view:
                 self._hooks = self._reduction.overlap(self._params, self._cycle, self._hook_weight)
         self._updates = 0
         self._flushing = False  # the reduction in progress is a flush's (checked across ranks)
+        self._views = GradViews(self._params, accs) if gradient_as_view else None
         self.update_applied = False
         self.last_grad_norm: Any = None
 
@@ -363,13 +382,18 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         already weighted. ``step()`` then takes this weight.
         """
         self._next_weight = _validation.check_positive(weight, "weight", allow_zero=True)
+        if self._views is not None:
+            self._views.expect(self._next_weight)
 
     # ---- the loop ----
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``)."""
-        for p in self._params:
-            if p.grad is not None:
+        """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``).
+
+        With ``gradient_as_view`` the views stay: they are the accumulators.
+        """
+        for i, p in enumerate(self._params):
+            if p.grad is not None and not (self._views is not None and self._views.holds(i)):
                 if set_to_none:
                     p.grad = None
                 else:
@@ -413,22 +437,39 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             # A parameter converted since construction (e.g. model.to(memory_format=...)):
             # refuse before this micro-batch is folded in, naming it.
             _params.check_layout(self._params, self._names)
+        views = self._views
+        if views is not None:
+            views.settle_check(weight, self._names.__getitem__)
         grads = [
-            None if p.grad is None else _dense(p.grad, p, self._names[i])
+            None
+            if p.grad is None or (views is not None and views.holds(i))
+            else _dense(p.grad, p, self._names[i])
             for i, p in enumerate(self._params)
         ]
         # At the boundary the pass also returns Σacc²: the clip norm, and the check that the
         # accumulated result is finite (finite gradients can overflow fp32 once summed).
         norm = cycle.boundary_next and not self._distributed and self.reduction != "running_mean"
         with held_interrupts:
-            cycle.fold(grads, weight, norm=norm and not cycle.cuda)
+            held = views.settle() if views is not None else ()
+            cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
             for p in self._params:  # the gradient now lives in the accumulator
                 p.grad = None
             self._next_weight = None
             self.update_applied = False
-            if cycle.micro_step >= self.accum_steps:
-                self._apply()
+            try:
+                if cycle.micro_step >= self.accum_steps:
+                    self._apply()
+            finally:
+                self._views_after_step()
         return loss
+
+    def _views_after_step(self) -> None:
+        """With ``gradient_as_view``: the views are ``.grad`` again, zeroed after a cycle."""
+        if self._views is not None:
+            if self._cycle.micro_step == 0:
+                self._views.clear()
+            else:
+                self._views.done()
 
     def _micro_weight(self, weight: float) -> float:
         """The micro-batch's weight, reconciled with one named before its backward."""
@@ -480,6 +521,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                     applied = self._apply()
                 finally:
                     self._flushing = False
+                    self._views_after_step()
             for layer in layers_to_flush(self.model, self._index):
                 layer.flush()
         return applied
@@ -537,7 +579,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         accumulation = {"layout": self._layout, "accum_steps": self.accum_steps}
         accumulation.update(reduction=self.reduction, **self._cycle.state())
         accumulation.update(updates=self._updates, growth_tracker=self._scaler.growth_tracker)
-        accumulation["accumulators"] = self._flat.clone()
+        views = self._views
+        accumulation["accumulators"] = (
+            self._flat.clone() if views is None else views.saved(self._flat)
+        )
         return {"optimizer": self.optimizer.state_dict(), "accumulation": accumulation}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -561,6 +606,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(inner)
         self._flat.copy_(acc["accumulators"])
         self._cycle.load_state(acc)
+        if self._views is not None:
+            self._views.scale = 1.0
+            if self._cycle.micro_step == 0:
+                self._views.clear()
         self._updates = int(acc["updates"])
         self._scaler.growth_tracker = int(acc.get("growth_tracker", 0))
 

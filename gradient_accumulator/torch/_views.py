@@ -1,0 +1,117 @@
+"""``gradient_as_view=True``: fp32 parameters' ``.grad`` are views of their accumulators.
+
+Autograd then adds each micro-batch's gradient into the accumulator in place, during the
+backward, and ``step()`` makes no pass over the gradients at all. The accumulators hold the
+weighted sum divided by the weight the coming gradient carries (``scale``, 1 unless a weight was
+named before the backward), so the gradient autograd adds unweighted lands with its weight:
+``step()`` multiplies by ``scale`` once (a pass only for a weight other than 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gradient_accumulator import core
+
+
+class GradViews:
+    """The fp32 parameters' ``.grad`` as views of their accumulators.
+
+    Args:
+        params: the wrapper's parameters; ``accs``: their fp32 accumulators.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], accs: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.accs = list(accs)
+        self.index = [i for i, p in enumerate(self.params) if p.dtype == torch.float32]
+        self.scale = 1.0  # the views hold Σ wᵢgᵢ / scale
+        self.touched: set[int] = set()  # views autograd wrote in this micro-batch's backward
+        self.hooks = [
+            self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self.index
+        ]
+        self.install()
+
+    def _hook(self, i: int):  # noqa: ANN202 - a hook
+        def hook(p: torch.Tensor) -> None:
+            self.touched.add(i)
+
+        return hook
+
+    def install(self) -> None:
+        """Make each fp32 parameter without a ``.grad`` point at its accumulator."""
+        for i in self.index:
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = self.accs[i]
+
+    def holds(self, i: int) -> bool:
+        """Whether parameter ``i``'s ``.grad`` is its accumulator."""
+        return self.params[i].grad is self.accs[i]
+
+    def _rescale(self, factor: float) -> None:
+        views = [self.accs[i] for i in self.index]
+        if views and factor != 1.0:
+            core.apply(None, views, optimizer="none", grad_scale=factor, reset=False)
+
+    def expect(self, weight: float) -> None:
+        """Before a backward: its gradients carry ``weight``."""
+        if weight == 0.0:
+            # Σ/0 does not exist: this backward writes fresh tensors, folded with weight 0.
+            for i in self.index:
+                if self.holds(i):
+                    self.params[i].grad = None
+            return
+        self._rescale(self.scale / weight)
+        self.scale = weight
+
+    def settle_check(self, weight: float, name: Callable[[int], str]) -> None:
+        """At ``step()``, before anything is written: ``weight`` must be the weight the
+        gradients autograd already added into the views carry.
+
+        Raises:
+            ValueError: it is not (nothing changed: ``step(weight=<that weight>)`` then counts
+                the micro-batch once).
+        """
+        held = sorted(i for i in self.touched if self.holds(i))
+        if held and weight != self.scale:
+            raise ValueError(
+                f"weight={weight}, but with gradient_as_view the gradient of parameter "
+                f"{name(held[0])} and others was already added into the accumulators with weight "
+                f"{self.scale} during the backward; name a micro-batch's weight before its "
+                "backward (accumulate(model, opt, weight=...)), then step() takes it. Calling "
+                f"step(weight={self.scale}) counts this micro-batch"
+            )
+
+    def settle(self) -> list[int]:
+        """At ``step()``: the parameters whose gradient autograd added into their accumulator,
+        after which the accumulators hold the weighted sum again (scale 1)."""
+        held = sorted(i for i in self.touched if self.holds(i))
+        self._rescale(self.scale)
+        self.scale = 1.0
+        return held
+
+    def saved(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of the accumulator buffer ``flat`` holding the weighted sums (scale 1)."""
+        out = flat.clone()
+        if self.scale != 1.0:
+            for i in self.index:
+                start = (self.accs[i].data_ptr() - flat.data_ptr()) // flat.element_size()
+                out[start : start + self.accs[i].numel()].mul_(self.scale)
+        return out
+
+    def done(self) -> None:
+        """After ``step()``: the next backward writes into the views again."""
+        self.touched.clear()
+        self.install()
+
+    def clear(self) -> None:
+        """A cycle ended: the views start from zero (autograd adds into them)."""
+        views = [self.accs[i] for i in self.index]
+        if views:
+            core.zero(views)
+        self.scale = 1.0
+        self.touched.clear()
+        self.install()

@@ -1,0 +1,50 @@
+"""The PyTorch benchmark runs against the package under test and its cross-checks hold.
+
+Benchmarks are timed by hand (never asserted here), but a script that no longer runs is a
+benchmark nobody can reproduce: ``benchmarks/torch_step.py`` refused to start after
+``accum_steps`` got its upper bound. The smallest configuration runs once here, and the
+correctness lines it prints before timing anything are read back: after one and two cycles
+ours agrees with torch's clip + fused AdamW and ``gradient_as_view`` with the default mode (1e-5
+after one update, 1e-4 after two), and the fp32 accumulators hold the exact sum of bf16
+gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradient_accumulator
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_torch_step_runs_and_cross_checks():
+    pytest.importorskip("torch")
+    pkg_parent = str(Path(gradient_accumulator.__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "torch_step.py"), "--small", "--repeats", "1"],
+        env={**os.environ, "PYTHONPATH": pkg_parent},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, f"torch_step.py exited {proc.returncode}:\n{proc.stderr}"
+    out = proc.stdout
+    # The script's own bounds (see check_fp32_cycle): 1e-5 after one AdamW update, 1e-4 after
+    # two (Adam's m/sqrt(v) amplifies fp32 rounding where two gradients nearly cancel).
+    match = re.search(r"weights max rel diff (\S+) after one, (\S+) after two", out)
+    assert match, out
+    assert float(match.group(1)) <= 1e-5 and float(match.group(2)) <= 1e-4
+    match = re.search(r"gradient_as_view vs default after two: (\S+)", out)
+    assert match, out
+    assert float(match.group(1)) <= 1e-4
+    match = re.search(r"vs fp32 sum of the bf16 grads: max rel diff (\S+);", out)
+    assert match, out
+    assert float(match.group(1)) <= 1e-6

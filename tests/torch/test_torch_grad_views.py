@@ -1,0 +1,272 @@
+"""``gradient_as_view=True``: fp32 ``.grad`` are views of the accumulators (no copy per step).
+
+Autograd adds each micro-batch's gradient into the accumulator in place; the results must be
+those of the default mode (which folds ``.grad`` in ``step()``) and of the big batch in fp64,
+whatever the weights, a parameter without a gradient, a cleared ``.grad``, a checkpoint, a
+bf16 parameter beside fp32 ones or an optimizer without a fused update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from gradient_accumulator.torch import GradientAccumulateOptimizer, accumulate  # noqa: E402
+
+K = 4
+SIZES = [3, 5, 2, 7, 4, 6, 1, 8, 5, 2, 6, 3]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 8)
+        self.fc2 = nn.Linear(8, 3)
+        self.extra = nn.Linear(5, 3)  # used in the first cycle only
+
+    def forward(self, x, use_extra):
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return out + self.extra(x) if use_extra else out
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)) for n in SIZES]
+
+
+def _train(view, inner, *, named=True, clear=None, **kwargs):
+    """Three cycles of K weighted micro-batches (weight = size); ``extra`` has a gradient in the
+    first cycle only. ``named``: weights given before the backward (``accumulate``), else to
+    ``step``. ``clear``: how ``.grad`` is dropped after each step."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = GradientAccumulateOptimizer(
+        inner[0](model.parameters(), **inner[1]), K, gradient_as_view=view, **kwargs
+    )
+    for j, (x, y) in enumerate(_data()):
+        use_extra = j < K
+        if named:
+            with accumulate(model, opt, weight=len(x)):
+                nn.functional.mse_loss(model(x, use_extra), y).backward()
+            opt.step()
+        else:
+            nn.functional.mse_loss(model(x, use_extra), y).backward()
+            opt.step(weight=len(x))
+        if clear == "model":
+            model.zero_grad()
+        else:
+            opt.zero_grad()
+    return model, opt
+
+
+def _reference_sgd():
+    """fp64 big batch: per cycle, the size-weighted mean of the micro-batches' mean losses."""
+    torch.manual_seed(0)
+    model = _Net().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    data = _data()
+    for c in range(len(SIZES) // K):
+        mbs = data[c * K : (c + 1) * K]
+        total = sum(len(x) for x, _ in mbs)
+        loss = sum(
+            nn.functional.mse_loss(model(x.double(), c == 0), y.double()) * (len(x) / total)
+            for x, y in mbs
+        )
+        loss.backward()
+        if c > 0:
+            model.extra.weight.grad = model.extra.bias.grad = None  # unused: left alone
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+
+
+def _max_rel(a, b):
+    return max(
+        ((p.double() - q.double()).abs().max() / q.double().abs().max()).item()
+        for p, q in zip(a.parameters(), b.parameters())
+    )
+
+
+def test_views_equal_the_big_batch_in_fp64():
+    """Weighted micro-batches, momentum and weight decay, a head unused after the first cycle
+    (left alone, as torch leaves a parameter whose .grad is None): within 1e-6 of fp64."""
+    model, opt = _train(True, SGD)
+    assert _max_rel(model, _reference_sgd()) < 1e-6
+    assert opt.accumulation_state.updates == 3
+
+
+def test_grad_is_the_accumulator_and_step_makes_no_copy():
+    """After wrapping, each fp32 parameter's .grad is its accumulator (a view of the flat
+    buffer): the backward writes there, and step() leaves it there."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view=True
+    )
+    accs = opt.accumulators()
+    x, y = _data()[0]
+    nn.functional.mse_loss(model(x, True), y).backward()
+    for p, acc in zip(model.parameters(), accs):
+        assert p.grad is acc
+    expected = [acc.clone() for acc in accs]
+    opt.step()
+    opt.zero_grad()
+    for p, acc, e in zip(model.parameters(), accs, expected):
+        assert p.grad is acc
+        torch.testing.assert_close(acc, e, rtol=0, atol=0)  # weight 1: not even rescaled
+
+
+@pytest.mark.parametrize("inner", [SGD, ADAMW], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"clear": "model"},
+        {"max_grad_norm": 0.05},
+        {"use_agc": True, "clip_factor": 0.02},
+    ],
+    ids=["plain", "model_zero_grad", "clip", "agc"],
+)
+def test_views_equal_the_default_mode(inner, variant):
+    """Same weights as the default mode within 2e-6 (fp32, different summation orders), with
+    clipping or AGC, and when model.zero_grad() drops the views after every step (each
+    backward then writes fresh tensors, which step() folds in and replaces by the views)."""
+    a, _ = _train(False, inner, **variant)
+    b, opt = _train(True, inner, **variant)
+    assert _max_rel(b, a) < 2e-6
+    # model.zero_grad() drops the views after the last step; the wrapper's keeps them.
+    views = [p.grad is acc for p, acc in zip(b.parameters(), opt.accumulators())]
+    assert views == [variant.get("clear") != "model"] * len(views)
+
+
+def test_a_weight_given_to_step_after_the_backward_is_refused_then_recovered():
+    """The backward already added the gradient with weight 1: step(weight=5) is refused before
+    anything is counted, naming the way out, and step() then counts the micro-batch once."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    opts = [
+        GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), 2, **kw)
+        for m, kw in ((model, {"gradient_as_view": True}), (ref, {}))
+    ]
+    data = _data()[:2]
+    for m, opt in zip((model, ref), opts):
+        for x, y in data:
+            nn.functional.mse_loss(m(x, True), y).backward()
+            if opt is opts[0]:
+                with pytest.raises(ValueError, match="gradient_as_view"):
+                    opt.step(weight=5.0)
+                assert opt.micro_step in (0, 1)
+            opt.step()
+            opt.zero_grad()
+    assert _max_rel(model, ref) < 1e-6
+
+
+def test_zero_weight_micro_batch_counts_nothing():
+    """accumulate(weight=0) with views: the micro-batch's gradient does not reach the update."""
+    results = []
+    for zero_batch in (True, False):
+        torch.manual_seed(0)
+        model = _Net()
+        opt = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            3 if zero_batch else 2,
+            gradient_as_view=True,
+        )
+        data = _data()[:2]
+        if zero_batch:
+            data = [(torch.randn(9, 5) * 50, torch.randn(9, 3))] + data
+        for j, (x, y) in enumerate(data):
+            weight = 0.0 if zero_batch and j == 0 else float(len(x))
+            with accumulate(model, opt, weight=weight):
+                nn.functional.mse_loss(model(x, True), y).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(model)
+    assert _max_rel(results[0], results[1]) < 1e-6
+
+
+def test_checkpoint_mid_cycle_resumes_exactly():
+    """state_dict after 2 micro-steps (and after a weight was named for the third, before its
+    backward), loaded into a new wrapper: the run ends as the uninterrupted one, bit for bit."""
+    full, _ = _train(True, ADAMW)
+    torch.manual_seed(0)
+    model = _Net()
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), **ADAMW[1]), K, gradient_as_view=True
+    )
+    data = _data()
+    for j, (x, y) in enumerate(data[: K + 2]):
+        with accumulate(model, opt, weight=len(x)):
+            nn.functional.mse_loss(model(x, j < K), y).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.expect_weight(float(len(data[K + 2][0])))  # rescales the views: saved as sums anyway
+    state = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model2.parameters(), **ADAMW[1]), K, gradient_as_view=True
+    )
+    opt2.load_state_dict(state)
+    for x, y in data[K + 2 :]:
+        with accumulate(model2, opt2, weight=len(x)):
+            nn.functional.mse_loss(model2(x, False), y).backward()
+        opt2.step()
+        opt2.zero_grad()
+    for p, q in zip(model2.parameters(), full.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_bf16_parameters_keep_the_fold_beside_fp32_views():
+    """A bf16 layer beside fp32 ones: only the fp32 parameters get views; the bf16 gradients are
+    folded into fp32 as before. Same result as the default mode (within 1e-6)."""
+    out = []
+    for view in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        model.fc2.to(torch.bfloat16)
+        opt = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view=view
+        )
+        for x, y in _data()[:K]:
+            h = torch.tanh(model.fc1(x)).to(torch.bfloat16)
+            loss = nn.functional.mse_loss(model.fc2(h).float() + model.extra(x), y)
+            loss.backward()
+            opt.step(weight=1.0)
+            opt.zero_grad()
+        if view:
+            assert model.fc2.weight.grad is None and model.fc1.weight.grad is not None
+        out.append(model)
+    assert _max_rel(out[1], out[0]) < 1e-6
+
+
+def test_optimizer_without_fused_update():
+    """RMSprop gets the final gradient in .grad for its own step(); the views come back after."""
+    inner = (torch.optim.RMSprop, {"lr": 1e-3})
+    a, _ = _train(False, inner)
+    b, opt = _train(True, inner)
+    assert _max_rel(b, a) < 2e-6
+    assert all(p.grad is acc for p, acc in zip(b.parameters(), opt.accumulators()))
+
+
+def test_arguments():
+    model = _Net()
+    with pytest.raises(ValueError, match="gradient_as_view"):
+        GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            K,
+            reduction="running_mean",
+            gradient_as_view=True,
+        )
+    with pytest.raises(TypeError, match="gradient_as_view"):
+        GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view="yes"
+        )
