@@ -113,6 +113,7 @@ def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
             max_grad_norm=cfg["clip"],
             overlap_reduce=cfg["overlap"],
             reduce_timeout=60,
+            gradient_as_view=cfg.get("view", False),
         )
         net = model
         ddp_rounds = {"n": 0}
@@ -240,6 +241,15 @@ def test_a_parameter_no_rank_used_in_a_cycle_is_left_alone(overlap, tmp_path):
     as in the big batch, where its .grad is None then, AdamW's decay must not move it (nor
     its moments). Before the fix every parameter took part in every distributed update."""
     cfg = dict(BASE, world=2, opt="adamw", overlap=overlap, extra=((1, 1),))
+    _check(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
+def test_gradient_as_view_matches_over_ranks(ddp, tmp_path):
+    """fp32 .grad as views of the accumulators on 2 ranks (weights named before each backward,
+    uneven micro-batches, a head used on rank 1 in cycle 1 only, clipping): the reduction runs
+    after the backward and the result is the global big batch's, one round per update."""
+    cfg = dict(BASE, world=2, opt="adamw", view=True, ddp=ddp, clip=0.5, extra=((1, 1),))
     _check(cfg, tmp_path)
 
 
