@@ -5,9 +5,9 @@ and flushes, with the wrapper's options, and an fp64 NumPy reference of what the
 be afterwards under plain SGD. The PyTorch adapter (``tests/torch/test_cycle_table.py``) and the
 Keras wrapper on each backend and path (``tests/keras/test_keras_cycle_table.py``, run once per
 ``KERAS_BACKEND``) replay the same table against the same reference, so the semantics of a cycle
-(mean, sum, running mean, a short cycle, a dropped non-finite cycle, global-norm clipping, AGC,
-missing gradients, a resume from a checkpoint mid-cycle) are written once here and held
-identical across paths.
+(mean, sum, running mean, micro-batch weights, a short cycle, a dropped non-finite cycle, loss
+scaling, global-norm clipping, AGC, missing gradients, a resume from a checkpoint mid-cycle) are
+written once here and held identical across paths.
 
 The parameters are a dense layer's: ``kernel`` of shape (IN, OUT) in Keras's layout (torch gets
 its transpose, (OUT, IN), so that both frameworks' AGC units are the OUT output units) and
@@ -43,6 +43,8 @@ class Scenario:
     clip_factor: float = 0.01
     eps: float = 1e-3
     nonfinite_cycles: int = 0  # cycles dropped as non-finite (each warns once in the table)
+    weights: list | None = None  # one per micro-step (1 by default); mean and running mean only
+    loss_scale: float | None = None  # dynamic loss scaling from this scale (halved on inf)
     expected: tuple = field(default=(), repr=False)  # (kernel, bias) in fp64
 
 
@@ -92,10 +94,11 @@ def _reference(s: Scenario) -> tuple[np.ndarray, np.ndarray]:
         # (under plain SGD the same as a zero update).
         grads = []
         for i in range(2):
-            present = [g[i] for g in cycle if g[i] is not None]
+            present = [w * g[i] for w, g in cycle if g[i] is not None]
             grads.append(sum(present) if present else np.zeros_like(params[i]))
         if s.reduction in ("mean", "running_mean"):
-            grads = [g / len(cycle) for g in grads]
+            total = sum(w for w, _ in cycle)
+            grads = [g / total for g in grads]
         if not all(np.isfinite(g).all() for g in grads):
             cycle.clear()
             return
@@ -108,13 +111,15 @@ def _reference(s: Scenario) -> tuple[np.ndarray, np.ndarray]:
             p -= LR * g
         cycle.clear()
 
+    weights = iter(s.weights or [])
     for step in s.steps:
         if step == RESUME:
             continue
         if step == FLUSH:
             boundary()
             continue
-        cycle.append([None if x is None else np.asarray(x, np.float64) for x in step])
+        w = float(next(weights, 1.0))
+        cycle.append((w, [None if x is None else np.asarray(x, np.float64) for x in step]))
         if len(cycle) == s.accum_steps:
             boundary()
     return params[0], params[1]
@@ -150,6 +155,26 @@ def _scenarios() -> list[Scenario]:
             "missing-gradients-running-mean", [_no_bias(g[0])] + g[1:4], reduction="running_mean"
         ),
         Scenario("resume-mid-cycle", g[:2] + [RESUME] + g[2:6] + [RESUME] + g[6:8]),
+        Scenario("weighted-mean", g[:8], weights=[3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]),
+        Scenario(
+            "weighted-running-mean",
+            g[:8],
+            reduction="running_mean",
+            weights=[3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0],
+        ),
+        Scenario(
+            "weighted-short-cycle-flush",
+            g[:6] + [FLUSH],
+            weights=[3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0][:6],
+        ),
+        Scenario(
+            "weighted-resume",
+            g[:3] + [RESUME] + g[3:8],
+            weights=[3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0],
+        ),
+        Scenario("loss-scale", g[:8], loss_scale=1024.0),
+        # Skipped silently (no warning: the loss scaler's skip), the scale halved for the rest.
+        Scenario("loss-scale-nonfinite-cycle", g[:5] + [nan] + g[6:12], loss_scale=1024.0),
         Scenario(
             "resume-mid-cycle-missing-gradient",
             g[:1] + [RESUME] + [_no_bias(x) for x in g[1:4]] + [RESUME] + g[4:8],
@@ -165,13 +190,15 @@ SCENARIOS = _scenarios()
 
 def replay(
     s: Scenario,
-    micro_step: Callable[[tuple], None],
+    micro_step: Callable[[tuple, float], None],
     flush: Callable[[], None],
     resume: Callable[[], None],
 ) -> int:
-    """Feed the scenario to a wrapper: ``micro_step(grads)`` per micro-step, ``flush()`` where the
-    table flushes, ``resume()`` where it saves and reloads. Returns how many non-finite cycles
-    the wrapper reported (warnings)."""
+    """Feed the scenario to a wrapper: ``micro_step(grads, weight)`` per micro-step (with loss
+    scaling, ``grads`` are unscaled: the runner multiplies them by its current scale),
+    ``flush()`` where the table flushes, ``resume()`` where it saves and reloads. Returns how
+    many non-finite cycles the wrapper reported (warnings)."""
+    weights = iter(s.weights or [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NonFiniteGradientWarning)
         for step in s.steps:
@@ -180,7 +207,7 @@ def replay(
             elif step == FLUSH:
                 flush()
             else:
-                micro_step(step)
+                micro_step(step, float(next(weights, 1.0)))
     return sum(issubclass(w.category, NonFiniteGradientWarning) for w in caught)
 
 

@@ -345,6 +345,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     @property
     def loss_scale(self) -> Any:
         """The current dynamic loss scale (1.0 without ``mixed_precision``)."""
+        if not self.mixed_precision:
+            return 1.0
         return self._loss_scale if self.built else self.initial_scale
 
     @property

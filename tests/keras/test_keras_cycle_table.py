@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import keras
+import numpy as np
 import pytest
 from keras_helpers import BACKEND
 
@@ -38,13 +39,18 @@ def test_cycle_table_through_the_keras_wrapper(s, path):
             eps=s.eps,
             agc_exclude=None,  # the table clips every parameter (both adapters exclude "final")
             use_core={"core": True, "generic": False}.get(path),
+            mixed_precision=s.loss_scale is not None,
+            initial_scale=s.loss_scale or 32768.0,
             **clip,
         )
         live["opt"].build(live["params"])
 
-    def micro_step(grads):
-        grads = [None if g is None else keras.ops.convert_to_tensor(g) for g in grads]
-        live["opt"].apply(grads, live["params"])
+    def micro_step(grads, weight):
+        opt = live["opt"]
+        scale = np.float32(keras.ops.convert_to_numpy(opt.loss_scale))
+        grads = [None if g is None else keras.ops.convert_to_tensor(g * scale) for g in grads]
+        opt.counter("batch_weight").assign(weight)
+        opt.apply(grads, live["params"])
 
     def resume():
         # What loading a checkpoint does: new variables, the optimizer's variables assigned.

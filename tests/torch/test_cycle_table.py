@@ -20,6 +20,10 @@ from gradient_accumulator.torch import GradientAccumulateOptimizer  # noqa: E402
 @pytest.mark.parametrize("s", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_cycle_table_through_the_torch_adapter(s):
     kernel, bias = initial_params()
+    scaler = None
+    if s.loss_scale is not None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=s.loss_scale)
+        scaler.scale(torch.ones(()))  # what scaling a loss does first: creates the scale
     # torch's Linear layout: the weight is (OUT, IN), the transpose of Keras's kernel.
     live = {}
 
@@ -31,6 +35,7 @@ def test_cycle_table_through_the_torch_adapter(s):
         live["opt"] = GradientAccumulateOptimizer(
             torch.optim.SGD(live["params"], lr=LR),
             s.accum_steps,
+            grad_scaler=scaler,
             reduction=s.reduction,
             max_grad_norm=s.max_grad_norm,
             use_agc=s.use_agc,
@@ -39,10 +44,11 @@ def test_cycle_table_through_the_torch_adapter(s):
             agc_exclude=(),  # the table clips every parameter (both adapters exclude "final")
         )
 
-    def micro_step(grads):
+    def micro_step(grads, weight):
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
         for p, g in zip(live["params"], (grads[0] if grads[0] is None else grads[0].T, grads[1])):
-            p.grad = None if g is None else torch.from_numpy(g.copy())
-        live["opt"].step()
+            p.grad = None if g is None else torch.from_numpy(g * np.float32(scale))
+        live["opt"].step(weight=weight)
         live["opt"].zero_grad()
 
     def resume():
