@@ -72,19 +72,28 @@ class Cycle:
         *,
         device_flag: torch.Tensor | None = None,
     ) -> None:
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.accs = list(accs)
         self.accum_steps = accum_steps
         self.reduction = reduction
         self.device_flag = device_flag
         self.cuda = device_flag is not None
-        self._mode = "running_mean" if reduction == "running_mean" else "sum"
         # Gradients folded in during a backward (see fold_one) before the step that counts them.
         self.early = False
         self.early_weight = 1.0
         self.early_index: set[int] = set()
         self.reset()
+
+    @property
+    def reduction(self) -> str:
+        """``"mean"``, ``"sum"`` or ``"running_mean"`` (what the accumulators hold)."""
+        return self._reduction
+
+    @reduction.setter
+    def reduction(self, value: str) -> None:
+        if value not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
+        self._reduction = value
+        self._mode = "running_mean" if value == "running_mean" else "sum"
 
     # ---- position ----
 

@@ -100,46 +100,63 @@ class CorePath:
         accumulators: Sequence[Any],
         state: CycleVariables,
         agc_mask: Sequence[bool],
-        settings: Settings,
+        settings: Callable[[], Settings],
         clip: Callable[[list[Any]], list[Any]],
         report: Callable[[], Any],
     ) -> None:
         self.inner = inner
         self.variables = list(variables)
         self.state = state
-        self.settings = settings
+        self.agc_mask = [bool(m) for m in agc_mask]
+        self._settings = settings
         self.clip = clip
         self.report = report
-        self.kind = _fused_kind(inner, self.variables, settings.fused)
         self.accs = [_value(a) for a in accumulators]
         self.params = [_value(v) for v in self.variables]
         self.state1 = self.state2 = None
-        if self.kind == "adamw":
-            self.state1 = [_value(m) for m in inner._momentums]
-            self.state2 = [_value(v) for v in inner._velocities]
-        buckets: dict[tuple[bool, float], list[int]] = {}
-        for i, v in enumerate(self.variables):
-            wd = 0.0
-            if self.kind != "none" and inner.weight_decay and inner._use_weight_decay(v):
-                wd = float(inner.weight_decay)
-            buckets.setdefault((bool(agc_mask[i]), wd), []).append(i)
-        self.groups = [
-            _Group(
-                index,
-                agc,
-                wd,
-                [core.unit_layout(tuple(self.params[i].shape), "trailing") for i in index]
-                if agc
-                else None,
-            )
-            for (agc, wd), index in buckets.items()
-        ]
-        reduction = settings.reduction.lower()
+        self._plans: dict[str, list[_Group]] = {}
         flag = None
         if self.accs and self.accs[0].is_cuda:
             flag = torch.zeros((), dtype=torch.float32, device=self.accs[0].device)
-        self.cycle = Cycle(self.accs, settings.accum_steps, reduction, device_flag=flag)
+        self.settings = settings()
+        self.cycle = Cycle(
+            self.accs, self.settings.accum_steps, self.settings.reduction.lower(), device_flag=flag
+        )
         self._versions: tuple = ()
+
+    def _refresh(self) -> None:
+        """The wrapper's options as they are now (a user may change them between calls)."""
+        self.settings = self._settings()
+        self.cycle.accum_steps = self.settings.accum_steps
+        reduction = self.settings.reduction.lower()
+        if reduction != self.cycle.reduction and self.cycle.micro_step == 0:
+            self.cycle.reduction = reduction
+
+    def _groups(self, kind: str) -> list[_Group]:
+        """Variables updated by one core call each: same AGC flag and weight decay."""
+        if kind not in self._plans:
+            inner = self.inner
+            buckets: dict[tuple[bool, float], list[int]] = {}
+            for i, v in enumerate(self.variables):
+                wd = 0.0
+                if kind != "none" and inner.weight_decay and inner._use_weight_decay(v):
+                    wd = float(inner.weight_decay)
+                buckets.setdefault((self.agc_mask[i], wd), []).append(i)
+            self._plans[kind] = [
+                _Group(
+                    index,
+                    agc,
+                    wd,
+                    [core.unit_layout(tuple(self.params[i].shape), "trailing") for i in index]
+                    if agc
+                    else None,
+                )
+                for (agc, wd), index in buckets.items()
+            ]
+            if kind == "adamw" and self.state1 is None:
+                self.state1 = [_value(m) for m in inner._momentums]
+                self.state2 = [_value(v) for v in inner._velocities]
+        return self._plans[kind]
 
     # ---- the cycle's position: the engine's, mirrored in the Keras variables ----
 
@@ -184,6 +201,7 @@ class CorePath:
         """One micro-step (``grads`` follow the wrapper's variables, None for a missing one);
         the cycle's last one also updates."""
         self._load()
+        self._refresh()
         c = self.cycle
         weight = 1.0 if self.settings.reduction == "SUM" else float(self.state.batch_weight.value)
         tensors = [None if g is None else g.detach().contiguous() for g in grads]
@@ -200,6 +218,7 @@ class CorePath:
     def boundary(self) -> None:
         """End of cycle: one fused update (or the inner optimizer's), then reset the counters."""
         self._load()
+        self._refresh()
         c, s, opts = self.cycle, self.state, self.settings
         scale = grad_scale(c.reduction, c.total_weight)
         loss_scale = float(s.loss_scale.value)
@@ -224,15 +243,16 @@ class CorePath:
         else:
             # A variable without a gradient in the whole cycle is left alone, as plain Keras does.
             keep = set(c.seen_index())
+            kind = _fused_kind(self.inner, self.variables, opts.fused)
             groups = [
                 g
-                for g in (self._subgroup(g, keep) for g in self.groups)
+                for g in (self._subgroup(g, keep) for g in self._groups(kind))
                 if g.index and c.total_weight > 0
             ]
-            if groups and self.kind == "none":
+            if groups and kind == "none":
                 self._generic_update(groups, scale)
             elif groups:
-                self._fused_update(groups, scale)
+                self._fused_update(kind, groups, scale)
             if opts.mixed_precision:
                 growth = int(s.growth.value.item()) + 1
                 if growth >= opts.dynamic_growth_steps:
@@ -255,7 +275,7 @@ class CorePath:
         units = None if group.units is None else [group.units[j] for j in pos]
         return _Group([group.index[j] for j in pos], group.agc, group.weight_decay, units)
 
-    def _fused_update(self, groups: list[_Group], scale: float) -> None:
+    def _fused_update(self, kind: str, groups: list[_Group], scale: float) -> None:
         inner = self.inner
         lr = float(keras.ops.convert_to_numpy(inner.learning_rate))
         step = int(keras.ops.convert_to_numpy(inner.iterations)) + 1
@@ -272,7 +292,7 @@ class CorePath:
             )
             params = [self.params[i] for i in group.index]
             accs = [self.accs[i] for i in group.index]
-            if self.kind == "sgd":
+            if kind == "sgd":
                 core.apply(params, accs, optimizer="sgd", **common)
             else:
                 beta1, beta2 = float(inner.beta_1), float(inner.beta_2)

@@ -712,7 +712,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self._core_engine is None:
             from gradient_accumulator.keras import _core_path
 
-            own_clipping = (self.clipnorm, self.clipvalue, self.global_clipnorm)
             self._core_engine = _core_path.CorePath(
                 self.optimizer,
                 self._trainable_variables,
@@ -729,21 +728,28 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     self._growth,
                 ),
                 self._agc_mask,
-                _core_path.Settings(
-                    accum_steps=self.accum_steps,
-                    reduction=self.reduction,
-                    mixed_precision=bool(self.mixed_precision),
-                    drops_nonfinite=self._drops_nonfinite(),
-                    static_scale=self._static_scale,
-                    dynamic_growth_steps=self.dynamic_growth_steps,
-                    clip_factor=self.clip_factor,
-                    eps=self.eps,
-                    fused=all(x is None for x in own_clipping),
-                ),
+                self._core_settings,
                 self._clip_gradients,
                 self.report_nonfinite,
             )
         return self._core_engine
+
+    def _core_settings(self) -> Any:
+        """This wrapper's options for the torch path, read afresh on every call."""
+        from gradient_accumulator.keras import _core_path
+
+        own_clipping = (self.clipnorm, self.clipvalue, self.global_clipnorm)
+        return _core_path.Settings(
+            accum_steps=self.accum_steps,
+            reduction=self.reduction,
+            mixed_precision=bool(self.mixed_precision),
+            drops_nonfinite=self._drops_nonfinite(),
+            static_scale=self._static_scale,
+            dynamic_growth_steps=self.dynamic_growth_steps,
+            clip_factor=self.clip_factor,
+            eps=self.eps,
+            fused=all(x is None for x in own_clipping),
+        )
 
     def _core_enabled(self) -> bool:
         if self.use_core is False:

@@ -83,12 +83,13 @@ class InnerUpdate:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _runs(self, ids: Sequence[int]) -> list[tuple[list[int], bool]]:
-        """``ids`` split into (AGC-clipped, excluded) runs."""
-        if self.agc_skip is None:
-            return [(list(ids), False)] if ids else []
-        clipped = [i for i in ids if i not in self.agc_skip]
-        excluded = [i for i in ids if i in self.agc_skip]
-        return [(run, agc) for run, agc in ((clipped, True), (excluded, False)) if run]
+        """``ids`` split into runs the core takes in one call: AGC-clipped or excluded, and one
+        parameter dtype (a call's optimizer state is of one dtype)."""
+        runs: dict[tuple[bool, torch.dtype], list[int]] = {}
+        for i in ids:
+            agc = self.agc_skip is not None and i not in self.agc_skip
+            runs.setdefault((agc, self.params[i].dtype), []).append(i)
+        return [(run, agc) for (agc, _), run in runs.items()]
 
     def _common(self, group: dict, agc: bool, coef: Any) -> dict[str, Any]:
         return dict(

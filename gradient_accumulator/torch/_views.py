@@ -29,16 +29,27 @@ class GradViews:
         self.index = [i for i, p in enumerate(self.params) if p.dtype == torch.float32]
         self.scale = 1.0  # the views hold Σ wᵢgᵢ / scale
         self.touched: set[int] = set()  # views autograd wrote in this micro-batch's backward
-        self.hooks = [
-            self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self.index
-        ]
+        self.replaced: set[int] = set()  # views autograd replaced by view + gradient instead
+        self.hooks = []
+        for i in self.index:
+            before, after = self._hooks(i)
+            self.hooks.append(self.params[i].register_hook(before))
+            self.hooks.append(self.params[i].register_post_accumulate_grad_hook(after))
         self.install()
 
-    def _hook(self, i: int):  # noqa: ANN202 - a hook
-        def hook(p: torch.Tensor) -> None:
-            self.touched.add(i)
+    def _hooks(self, i: int) -> tuple[Callable, Callable]:
+        was_view = [False]
 
-        return hook
+        def before(grad: torch.Tensor) -> None:
+            was_view[0] = self.holds(i)
+
+        def after(p: torch.Tensor) -> None:
+            self.touched.add(i)
+            if was_view[0] and not self.holds(i):
+                # backward(create_graph=True) accumulates out of place: .grad = view + gradient.
+                self.replaced.add(i)
+
+        return before, after
 
     def install(self) -> None:
         """Make each fp32 parameter without a ``.grad`` point at its accumulator."""
@@ -75,6 +86,17 @@ class GradViews:
             ValueError: it is not (nothing changed: ``step(weight=<that weight>)`` then counts
                 the micro-batch once).
         """
+        for i in sorted(self.touched):
+            if self.params[i].grad is None:
+                raise ValueError(self.dropped_message(name(i)))
+            if i in self.replaced:
+                # Folding view + gradient would count the cycle's sum so far twice.
+                raise ValueError(
+                    f"parameter {name(i)}'s .grad is part of a graph (backward with "
+                    "create_graph=True): gradient_as_view accumulates in place and cannot take "
+                    "it; use gradient_as_view=False for double backward (the accumulators are "
+                    "as before this backward)"
+                )
         held = sorted(i for i in self.touched if self.holds(i))
         if held and weight != self.scale:
             raise ValueError(
@@ -84,6 +106,24 @@ class GradViews:
                 "backward (accumulate(model, opt, weight=...)), then step() takes it. Calling "
                 f"step(weight={self.scale}) counts this micro-batch"
             )
+
+    def dropped_message(self, name: str) -> str:
+        return (
+            f"parameter {name}'s gradient was added into its accumulator during the backward "
+            "(gradient_as_view), so the micro-batch cannot be dropped after it: call step() to "
+            "count it, or use gradient_as_view=False to drop micro-batches after their backward"
+        )
+
+    def check_drop(self, name: Callable[[int], str]) -> None:
+        """``zero_grad()`` between a backward and its ``step()`` would drop a micro-batch whose
+        gradient is already in the accumulators.
+
+        Raises:
+            RuntimeError: it is (nothing changed: ``step()`` still counts the micro-batch).
+        """
+        held = sorted(i for i in self.touched if self.holds(i))
+        if held:
+            raise RuntimeError(self.dropped_message(name(held[0])))
 
     def settle(self) -> list[int]:
         """At ``step()``: the parameters whose gradient autograd added into their accumulator,
@@ -105,6 +145,7 @@ class GradViews:
     def done(self) -> None:
         """After ``step()``: the next backward writes into the views again."""
         self.touched.clear()
+        self.replaced.clear()
         self.install()
 
     def clear(self) -> None:
@@ -114,4 +155,5 @@ class GradViews:
             core.zero(views)
         self.scale = 1.0
         self.touched.clear()
+        self.replaced.clear()
         self.install()

@@ -189,7 +189,8 @@ class CycleReduction:
         check_ranks_agree(group, settings, flat.device)
         self.flat = flat
         self.tail = tail
-        # Checked again in every cycle's round, besides its accum_steps: two bytes of the layout.
+        # Checked again in every cycle's round, besides its accum_steps and reduction: two bytes
+        # of the layout.
         self.agree = [int(layout[:2], 16), int(layout[2:4], 16)]
         self.reducer = BucketReducer(flat, plan.bucket_start, group, timeout, tail=tail)
         self.bucket_of = list(plan.bucket_of)
@@ -243,7 +244,8 @@ class CycleReduction:
         if cycle.reduction == "running_mean":
             body.mul_(cycle.total_weight)
         host = [cycle.total_weight, 1.0 if cycle.nonfinite else 0.0]
-        host += agreement_slots([cycle.accum_steps, *self.agree, int(flushing)])
+        reduction = ("mean", "sum", "running_mean").index(cycle.reduction)
+        host += agreement_slots([cycle.accum_steps, reduction, *self.agree, int(flushing)])
         host += [0.0] * (SCALAR_SLOTS - len(host))
         host += [1.0 if s else 0.0 for s in cycle.seen]
         host += [0.0] * (self.tail - len(host))
@@ -252,7 +254,7 @@ class CycleReduction:
         self.bucket_done = [0] * self.reducer.num_buckets
         self.reducer.finish()
         reduced = scalars.tolist()
-        names = ["accum_steps", "parameter layout", "parameter layout", "flush"]
+        names = ["accum_steps", "reduction", "parameter layout", "parameter layout", "flush"]
         bad = list(dict.fromkeys(disagreement(reduced[AGREE_SLOT:], names)))
         if bad:
             cycle.reset()

@@ -149,11 +149,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             pass over the gradients (as DDP's ``gradient_as_bucket_view``). A micro-batch's
             weight must then be known before its backward: the default 1, or
             ``accumulate(model, opt, weight=...)``; ``step(weight=w)`` with another weight is
-            refused. Keep ``.grad`` alone between micro-batches: ``opt.zero_grad()`` keeps the
-            views, ``model.zero_grad()`` drops them (exact, but each step then copies again),
-            and ``zero_grad(set_to_none=False)`` on the model or the inner optimizer would zero
-            the accumulators. Needs ``reduction="mean"`` or ``"sum"``; bf16/fp16 parameters keep
-            the fold; under torch.distributed the reduction runs after the backward.
+            refused. ``.grad`` holds the cycle's running sum: a micro-batch cannot be dropped
+            after its backward, per-micro-batch clipping of ``.grad`` clips the sum (use
+            ``max_grad_norm``), ``backward(create_graph=True)`` is refused, and
+            ``zero_grad(set_to_none=False)`` on the model or the inner optimizer would zero the
+            accumulators (``opt.zero_grad()`` keeps the views; ``model.zero_grad()`` after
+            ``step()`` drops them: exact, but each step then copies again). Needs
+            ``reduction="mean"`` or ``"sum"``; bf16/fp16 parameters keep the fold; under
+            torch.distributed the reduction runs after the backward.
 
     Attributes:
         update_applied: whether the last :meth:`step` (or :meth:`flush`) updated the weights.
@@ -212,12 +215,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, GradientAccumulateOptimizer):
             raise TypeError("optimizer is already a GradientAccumulateOptimizer")
         accum_steps = _validation.check_accum_steps(accum_steps)
-        self.reduction = _validation.check_choice(reduction, "reduction", REDUCTIONS)
+        reduction = _validation.check_choice(reduction, "reduction", REDUCTIONS)
         self.leftover = _validation.check_choice(leftover, "leftover", _LEFTOVERS)
         if max_grad_norm is not None:
             max_grad_norm = float(_validation.check_positive(max_grad_norm, "max_grad_norm"))
-        self.use_agc = _validation.check_bool(use_agc, "use_agc")
-        if self.use_agc and max_grad_norm is not None:
+        use_agc = _validation.check_bool(use_agc, "use_agc")
+        if use_agc and max_grad_norm is not None:
             raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
         clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
@@ -226,7 +229,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler")
         gradient_as_view = _validation.check_bool(gradient_as_view, "gradient_as_view")
-        if gradient_as_view and self.reduction == "running_mean":
+        if gradient_as_view and reduction == "running_mean":
             raise ValueError(
                 "gradient_as_view needs reduction='mean' or 'sum' (autograd adds gradients into "
                 "the accumulators; a running mean rescales them every micro-step)"
@@ -236,7 +239,6 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             reduce_timeout = _validation.check_positive(reduce_timeout, "reduce_timeout")
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
-        self.clip_factor, self.eps = float(clip_factor), float(eps)
         self._scaler = LossScale(grad_scaler)
         self.model = model
         self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
@@ -271,15 +273,16 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         flag = (
             torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
         )
-        self._cycle = Cycle(accs, accum_steps, self.reduction, device_flag=flag)
-        agc_skip = _params.agc_excluded(self._params, agc_exclude) if self.use_agc else None
+        self._cycle = Cycle(accs, accum_steps, reduction, device_flag=flag)
+        self._agc_exclude = agc_exclude
+        agc_skip = _params.agc_excluded(self._params, agc_exclude) if use_agc else None
         self._update = InnerUpdate(
             optimizer,
             self._params,
             accs,
             agc_skip=agc_skip,
-            clip_factor=self.clip_factor,
-            eps=self.eps,
+            clip_factor=float(clip_factor),
+            eps=float(eps),
         )
         self._layout = _params.layout_fingerprint(optimizer, self._flat.numel())
         self._reduction: CycleReduction | None = None
@@ -314,6 +317,57 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     @accum_steps.setter
     def accum_steps(self, value: int) -> None:
         self._cycle.accum_steps = _validation.check_accum_steps(value)
+
+    @property
+    def reduction(self) -> str:
+        """``"mean"``, ``"sum"`` or ``"running_mean"``; may change between cycles."""
+        return self._cycle.reduction
+
+    @reduction.setter
+    def reduction(self, value: str) -> None:
+        value = _validation.check_choice(value, "reduction", REDUCTIONS)
+        if value != self._cycle.reduction:
+            if self._cycle.micro_step > 0:
+                raise ValueError(
+                    f"reduction can change between cycles only ({self._cycle.micro_step} "
+                    "micro-batches of this cycle are accumulated as "
+                    f"{self._cycle.reduction!r}; flush() first)"
+                )
+            if value == "running_mean" and self._views is not None:
+                raise ValueError("gradient_as_view needs reduction='mean' or 'sum'")
+        self._cycle.reduction = value
+
+    @property
+    def use_agc(self) -> bool:
+        """Adaptive gradient clipping of the averaged gradient at the boundary."""
+        return self._update.agc_skip is not None
+
+    @use_agc.setter
+    def use_agc(self, value: bool) -> None:
+        value = _validation.check_bool(value, "use_agc")
+        if value and self.max_grad_norm is not None:
+            raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
+        self._update.agc_skip = (
+            _params.agc_excluded(self._params, self._agc_exclude) if value else None
+        )
+
+    @property
+    def clip_factor(self) -> float:
+        """AGC's λ."""
+        return self._update.clip_factor
+
+    @clip_factor.setter
+    def clip_factor(self, value: float) -> None:
+        self._update.clip_factor = float(_validation.check_agc_args(value, self.eps)[0])
+
+    @property
+    def eps(self) -> float:
+        """AGC's ε (floor of a unit's weight norm)."""
+        return self._update.eps
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self._update.eps = float(_validation.check_agc_args(self.clip_factor, value)[1])
 
     @property
     def grad_scaler(self) -> Any:
@@ -390,8 +444,11 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``).
 
-        With ``gradient_as_view`` the views stay: they are the accumulators.
+        With ``gradient_as_view`` the views stay: they are the accumulators (and a micro-batch
+        whose backward has written into them cannot be dropped: ``RuntimeError``).
         """
+        if self._views is not None:
+            self._views.check_drop(self._names.__getitem__)
         for i, p in enumerate(self._params):
             if p.grad is not None and not (self._views is not None and self._views.holds(i)):
                 if set_to_none:

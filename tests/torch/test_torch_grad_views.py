@@ -270,3 +270,63 @@ def test_arguments():
         GradientAccumulateOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view="yes"
         )
+
+
+def _one_param(view):
+    lin = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[0.5, -0.25]]))
+    opt = GradientAccumulateOptimizer(
+        torch.optim.SGD(lin.parameters(), lr=1.0), 2, gradient_as_view=view
+    )
+    return lin, opt
+
+
+X = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0]]), torch.tensor([[100.0, 100.0]])]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_double_backward_is_refused_and_the_accumulators_kept():
+    """backward(create_graph=True) replaces .grad by view + gradient out of place: folding it
+    would count the cycle's sum so far twice (before the check: -(2g1+g2)/2). It is refused
+    before anything is counted, the accumulator still holds the first micro-batch's gradient,
+    and the default mode takes double backward."""
+    lin, opt = _one_param(True)
+    lin(X[0]).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    lin(X[1]).sum().backward(create_graph=True)
+    with pytest.raises(ValueError, match="create_graph"):
+        opt.step()
+    torch.testing.assert_close(opt.accumulators()[0], X[0], rtol=0, atol=0)
+    assert opt.micro_step == 1
+    lin, opt = _one_param(False)
+    w0 = lin.weight.detach().clone()
+    for x in X[:2]:
+        lin(x).sum().backward(create_graph=True)
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(lin.weight.detach(), w0 - (X[0] + X[1]) / 2)
+
+
+def test_a_micro_batch_cannot_be_dropped_after_its_backward():
+    """Dropping a micro-batch after its backward (zero_grad without step) would silently keep
+    its gradient, already in the accumulators (before the check: an update of -(g1+g3+g2)/2
+    instead of -(g1+g2)/2). The wrapper's zero_grad() refuses and changes nothing, so step()
+    still counts the micro-batch once; clearing .grad through the model is refused at step()."""
+    lin, opt = _one_param(True)
+    w0 = lin.weight.detach().clone()
+    lin(X[0]).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    lin(X[2]).sum().backward()
+    with pytest.raises(RuntimeError, match="cannot be dropped"):
+        opt.zero_grad()
+    opt.step()  # counts it: the cycle is X[0], X[2]
+    opt.zero_grad()
+    torch.testing.assert_close(lin.weight.detach(), w0 - (X[0] + X[2]) / 2)
+    lin(X[1]).sum().backward()
+    lin.zero_grad()
+    with pytest.raises(ValueError, match="cannot be dropped"):
+        opt.step()
+    assert opt.micro_step == 0

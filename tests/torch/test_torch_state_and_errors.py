@@ -368,3 +368,82 @@ def test_accum_steps_assigned_after_construction_is_checked_and_governs_the_cycl
     grads = torch.autograd.grad(loss, ref)
     for p, s, g in zip(model.parameters(), start, grads):
         torch.testing.assert_close(p.detach().double(), s - 0.1 * g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "attr, before, after",
+    [
+        ("reduction", "mean", "sum"),
+        ("reduction", "running_mean", "mean"),
+        ("reduction", "sum", "running_mean"),
+        ("use_agc", False, True),
+        ("clip_factor", 0.01, 0.5),
+        ("eps", 1e-3, 2.0),
+    ],
+)
+def test_settings_changed_after_construction_take_effect(attr, before, after):
+    """The wrapper's public settings (Lightning's proxy forwards them) set before a cycle give
+    the update of a wrapper constructed with them (exactly); they used to be copied at
+    construction, so a changed reduction divided twice and a changed clip_factor was ignored."""
+
+    def run(value_at_construction):
+        p = nn.Parameter(torch.tensor([[0.5, -0.5]]))
+        kw = {attr: value_at_construction}
+        if attr in ("clip_factor", "eps"):
+            kw.update(use_agc=True, agc_exclude=())
+        opt = GradientAccumulateOptimizer(torch.optim.SGD([p], lr=1.0), 2, **kw)
+        if value_at_construction != after:
+            setattr(opt, attr, after)
+            assert getattr(opt, attr) == after
+        w0 = p.detach().clone()
+        for g, w in ((torch.tensor([[3.0, 4.0]]), 2.0), (torch.tensor([[1.0, 0.0]]), 1.0)):
+            p.grad = g
+            opt.step(weight=w)
+            opt.zero_grad()
+        return p.detach() - w0
+
+    torch.testing.assert_close(run(before), run(after), rtol=0, atol=0)
+    assert run(after).abs().max() > 0
+
+
+def test_reduction_changes_between_cycles_only():
+    model = nn.Linear(2, 1)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="between cycles"):
+        opt.reduction = "sum"
+    with pytest.raises(ValueError, match="reduction"):
+        opt.reduction = "median"
+    assert opt.reduction == "mean" and opt.micro_step == 1
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd_momentum"])
+def test_fp32_and_bf16_parameters_in_one_fused_group(inner):
+    """One group holding fp32 and bf16 parameters: every boundary raised "mixed state dtypes
+    in one call" after counting the micro-step (so micro_step grew past accum_steps). The
+    fused update now runs per dtype: the same weights as with one group per dtype, bit for
+    bit, over three cycles."""
+
+    def run(split):
+        torch.manual_seed(0)
+        a = nn.Linear(4, 3)
+        b = nn.Linear(3, 2).to(torch.bfloat16)
+        params = [list(a.parameters()), list(b.parameters())]
+        groups = [{"params": ps} for ps in params] if split else [{"params": sum(params, [])}]
+        if inner == "adamw":
+            opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+        else:
+            opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+        wrapper = GradientAccumulateOptimizer(opt, 2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x = torch.randn(5, 4, generator=g)
+            b(torch.tanh(a(x)).to(torch.bfloat16)).float().square().mean().backward()
+            wrapper.step()
+            wrapper.zero_grad()
+        assert wrapper.micro_step == 0 and wrapper.accumulation_state.updates == 3
+        return [p.detach().clone() for ps in params for p in ps]
+
+    for x, y in zip(run(False), run(True)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
