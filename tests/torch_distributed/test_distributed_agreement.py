@@ -106,6 +106,13 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
                     else:
                         opt.step(weight=len(idx))
                         opt.zero_grad()
+            elif scenario == "changed_reduction":
+                if rank == 1:
+                    opt.reduction = "sum"
+                for idx in _plan(rank, 2):
+                    F.mse_loss(model(x[idx]), y[idx]).backward()
+                    opt.step(weight=len(idx))
+                    opt.zero_grad()
             elif scenario == "changed_accum_steps":
                 if rank == 1:
                     opt.accum_steps = 3
@@ -190,6 +197,7 @@ def test_rank_disagreement_at_construction_is_one_clear_error(scenario, match, t
     [
         ("flush_vs_step", "disagreed on flush"),
         ("changed_accum_steps", "disagreed on accum_steps"),
+        ("changed_reduction", "disagreed on reduction"),
     ],
 )
 def test_rank_disagreement_in_a_cycle_is_one_clear_error(scenario, match, tmp_path):
