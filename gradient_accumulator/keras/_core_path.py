@@ -45,6 +45,7 @@ class Settings(NamedTuple):
     drops_nonfinite: bool  # on_nonfinite decides about a non-finite cycle
     static_scale: float | None
     dynamic_growth_steps: int
+    use_agc: bool
     clip_factor: float
     eps: float
     fused: bool  # the wrapper itself clips nothing, so a fused update may replace the inner's
@@ -114,7 +115,7 @@ class CorePath:
         self.accs = [_value(a) for a in accumulators]
         self.params = [_value(v) for v in self.variables]
         self.state1 = self.state2 = None
-        self._plans: dict[str, list[_Group]] = {}
+        self._plans: dict[tuple[str, bool], list[_Group]] = {}
         flag = None
         if self.accs and self.accs[0].is_cuda:
             flag = torch.zeros((), dtype=torch.float32, device=self.accs[0].device)
@@ -134,15 +135,17 @@ class CorePath:
 
     def _groups(self, kind: str) -> list[_Group]:
         """Variables updated by one core call each: same AGC flag and weight decay."""
-        if kind not in self._plans:
+        key = (kind, self.settings.use_agc)
+        if key not in self._plans:
             inner = self.inner
             buckets: dict[tuple[bool, float], list[int]] = {}
             for i, v in enumerate(self.variables):
                 wd = 0.0
                 if kind != "none" and inner.weight_decay and inner._use_weight_decay(v):
                     wd = float(inner.weight_decay)
-                buckets.setdefault((self.agc_mask[i], wd), []).append(i)
-            self._plans[kind] = [
+                agc = self.agc_mask[i] and self.settings.use_agc
+                buckets.setdefault((agc, wd), []).append(i)
+            self._plans[key] = [
                 _Group(
                     index,
                     agc,
@@ -156,7 +159,7 @@ class CorePath:
             if kind == "adamw" and self.state1 is None:
                 self.state1 = [_value(m) for m in inner._momentums]
                 self.state2 = [_value(v) for v in inner._velocities]
-        return self._plans[kind]
+        return self._plans[key]
 
     # ---- the cycle's position: the engine's, mirrored in the Keras variables ----
 

@@ -746,6 +746,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             drops_nonfinite=self._drops_nonfinite(),
             static_scale=self._static_scale,
             dynamic_growth_steps=self.dynamic_growth_steps,
+            use_agc=bool(self.use_agc),
             clip_factor=self.clip_factor,
             eps=self.eps,
             fused=all(x is None for x in own_clipping),

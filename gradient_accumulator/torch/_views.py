@@ -9,11 +9,47 @@ named before the backward), so the gradient autograd adds unweighted lands with 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from gradient_accumulator import core
+
+# Every view a GradViews installed as a .grad, by id, held weakly (tensors compare elementwise,
+# so no WeakSet): a new wrapper replaces an old wrapper's view.
+_VIEWS: dict[int, weakref.ref] = {}
+
+
+def _is_a_view(t: torch.Tensor) -> bool:
+    ref = _VIEWS.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _remember(t: torch.Tensor) -> None:
+    key = id(t)
+    _VIEWS[key] = weakref.ref(t, lambda _, key=key: _VIEWS.pop(key, None))
+
+
+def _hooks(ref: weakref.ref, i: int) -> tuple[Callable, Callable]:
+    """Parameter ``i``'s hooks: before its gradient is accumulated, whether ``.grad`` is the view;
+    after, that the view was written (or replaced out of place, under ``create_graph``)."""
+    was_view = [False]
+
+    def before(grad: torch.Tensor) -> None:
+        views = ref()
+        was_view[0] = views is not None and views.holds(i)
+
+    def after(p: torch.Tensor) -> None:
+        views = ref()
+        if views is None:
+            return
+        views.touched.add(i)
+        if was_view[0] and not views.holds(i):
+            # backward(create_graph=True) accumulates out of place: .grad = view + gradient.
+            views.replaced.add(i)
+
+    return before, after
 
 
 class GradViews:
@@ -30,33 +66,27 @@ class GradViews:
         self.scale = 1.0  # the views hold Σ wᵢgᵢ / scale
         self.touched: set[int] = set()  # views autograd wrote in this micro-batch's backward
         self.replaced: set[int] = set()  # views autograd replaced by view + gradient instead
+        # The hooks hold this object weakly: a wrapper that is dropped takes its views' hooks
+        # (and its buffer, once no .grad points into it) with it.
         self.hooks = []
         for i in self.index:
-            before, after = self._hooks(i)
+            before, after = _hooks(weakref.ref(self), i)
             self.hooks.append(self.params[i].register_hook(before))
             self.hooks.append(self.params[i].register_post_accumulate_grad_hook(after))
         self.install()
 
-    def _hooks(self, i: int) -> tuple[Callable, Callable]:
-        was_view = [False]
-
-        def before(grad: torch.Tensor) -> None:
-            was_view[0] = self.holds(i)
-
-        def after(p: torch.Tensor) -> None:
-            self.touched.add(i)
-            if was_view[0] and not self.holds(i):
-                # backward(create_graph=True) accumulates out of place: .grad = view + gradient.
-                self.replaced.add(i)
-
-        return before, after
+    def __del__(self) -> None:
+        for hook in getattr(self, "hooks", ()):
+            hook.remove()
 
     def install(self) -> None:
-        """Make each fp32 parameter without a ``.grad`` point at its accumulator."""
+        """Make each fp32 parameter without a ``.grad`` (or with another wrapper's view, whose
+        partial cycle is abandoned with that wrapper) point at its accumulator."""
         for i in self.index:
             p = self.params[i]
-            if p.grad is None:
+            if p.grad is None or (p.grad is not self.accs[i] and _is_a_view(p.grad)):
                 p.grad = self.accs[i]
+                _remember(self.accs[i])
 
     def holds(self, i: int) -> bool:
         """Whether parameter ``i``'s ``.grad`` is its accumulator."""

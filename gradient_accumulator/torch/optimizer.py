@@ -667,6 +667,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             self._views.scale = 1.0
             if self._cycle.micro_step == 0:
                 self._views.clear()
+            if self._next_weight is not None:  # a weight named before this load still holds
+                self._views.expect(self._next_weight)
         self._updates = int(acc["updates"])
         self._scaler.growth_tracker = int(acc.get("growth_tracker", 0))
 

@@ -58,3 +58,23 @@ def test_on_nonfinite_changed_between_cycles():
     np.testing.assert_allclose(ops.convert_to_numpy(v), [-2.0, -2.0])
     assert opt.nonfinite_skipped == 1
     assert any(issubclass(w.category, NonFiniteGradientWarning) for w in caught)
+
+
+def test_use_agc_turned_off_between_cycles():
+    """Cycle 1 with AGC (λ = 0.01 clips these gradients hard), then use_agc=False: cycle 2 is
+    plain SGD on the mean gradient, exactly (the torch backend's core path kept clipping)."""
+    w0 = np.array([[1.0, -2.0], [0.5, 3.0]], "float32")
+    v = keras.Variable(w0)
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.SGD(1.0), accum_steps=2, use_agc=True, clip_factor=0.01, agc_exclude=None
+    )
+    opt.build([v])
+    g1, g2 = np.full((2, 2), 4.0, "float32"), np.full((2, 2), 2.0, "float32")
+    for g in (g1, g2):
+        opt.apply([ops.convert_to_tensor(g)], [v])
+    after_1 = ops.convert_to_numpy(v).copy()
+    assert np.abs(after_1 - (w0 - 3.0)).max() > 1.0  # clipped: far from the plain step
+    opt.use_agc = False
+    for g in (g1, g2):
+        opt.apply([ops.convert_to_tensor(g)], [v])
+    np.testing.assert_allclose(ops.convert_to_numpy(v), after_1 - 3.0, rtol=1e-6, atol=1e-6)

@@ -330,3 +330,64 @@ def test_a_micro_batch_cannot_be_dropped_after_its_backward():
     with pytest.raises(ValueError, match="cannot be dropped"):
         opt.step()
     assert opt.micro_step == 0
+
+
+def test_load_into_the_same_wrapper_after_a_weight_was_named():
+    """accumulate(weight=2.5) names the weight, then the state is saved and loaded into the
+    same wrapper before the backward: the named weight still holds, as in the default mode
+    (before the fix the views were reset to weight 1 while step() expected 2.5, and every
+    step() and zero_grad() then refused)."""
+    out = []
+    for view in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        opt = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view=view
+        )
+        for j, (x, y) in enumerate(_data()[:6]):
+            with accumulate(model, opt, weight=2.5 if j == 1 else len(x)):
+                if j == 1:
+                    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                nn.functional.mse_loss(model(x, True), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(model)
+    assert _max_rel(out[1], out[0]) < 1e-6
+
+
+def test_a_new_wrapper_replaces_an_abandoned_wrappers_views():
+    """A view wrapper dropped mid-cycle leaves its partial sum in the parameters' .grad; a new
+    wrapper of the same model takes the .grad over (the old partial cycle is abandoned with its
+    wrapper, as in the default mode) instead of folding the old sum in (3.1e-2 off before).
+    The dropped wrapper's hooks go with it, and its buffer once no .grad points into it."""
+    import gc
+    import weakref
+
+    out = []
+    for view in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        old = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view=view
+        )
+        for x, y in _data()[:6]:  # one cycle and half of the next
+            nn.functional.mse_loss(model(x, True), y).backward()
+            old.step()
+            old.zero_grad()
+        flat = weakref.ref(old._flat)
+        del old
+        gc.collect()
+        new = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view=view
+        )
+        assert flat() is None  # the old views were replaced: nothing holds the old buffer
+        for x, y in _data()[6:10]:
+            nn.functional.mse_loss(model(x, True), y).backward()
+            new.step()
+            new.zero_grad()
+        if view:
+            w = model.fc1.weight
+            assert len(w._backward_hooks or {}) == 1  # the new wrapper's pre-hook only
+            assert len(w._post_accumulate_grad_hooks or {}) == 1
+        out.append(model)
+    assert _max_rel(out[1], out[0]) < 1e-6
