@@ -229,8 +229,9 @@ class LossScale:
     and the scaler's own rule applied at the boundary (back off after a non-finite cycle, grow
     after ``growth_interval`` good ones). ``scaler`` may be None or disabled: scale 1."""
 
-    def __init__(self, scaler: Any) -> None:
+    def __init__(self, scaler: Any, device: torch.device) -> None:
         self.scaler = scaler
+        self.device = device  # where the scaled losses live (the parameters' device)
         self.growth_tracker = 0
 
     def enabled(self) -> bool:
@@ -250,4 +251,8 @@ class LossScale:
             new_scale = scale
             if self.growth_tracker >= scaler.get_growth_interval():
                 new_scale, self.growth_tracker = scale * scaler.get_growth_factor(), 0
+        if getattr(scaler, "_scale", 0) is None:
+            # Nothing was scaled with it since it was made or loaded (a resumed run that ends
+            # with flush()): scaling once creates the scale tensor that update() writes.
+            scaler.scale(torch.ones((), device=self.device))
         scaler.update(new_scale)

@@ -239,7 +239,6 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             reduce_timeout = _validation.check_positive(reduce_timeout, "reduce_timeout")
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
-        self._scaler = LossScale(grad_scaler)
         self.model = model
         self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
         # The inner optimizer's groups, state and defaults are the wrapper's (properties below
@@ -252,6 +251,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._names = _params.parameter_names(optimizer, model)
         _params.check_parameters(self._params, self._names)
         self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._scaler = LossScale(grad_scaler, self._params[0].device)
         # One flat fp32 buffer for all accumulators, laid out in backward order and cut into
         # buckets; a tail of scalars travels with the last bucket: SCALAR_SLOTS for the weight,
         # the non-finite flag and the ranks' agreement, then one "seen" flag per parameter (a

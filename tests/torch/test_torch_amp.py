@@ -123,3 +123,37 @@ def test_scale_grows_after_growth_interval_finite_cycles(make_pair, make_data, m
         scales.append(scaler.get_scale())
     # Two finite cycles: ×2; an inf cycle: ×0.25 and the growth count restarts.
     assert scales == [256.0, 512.0, 128.0, 128.0, 256.0]
+
+
+def test_resumed_scaler_that_scaled_nothing_yet_can_end_a_cycle(make_pair, make_data, mse):
+    """A run saved mid-cycle and resumed with a fresh GradScaler loaded from the saved one, then
+    ended at once with flush(): the scaler never scaled a loss since its load, and torch's
+    update() asserted ("_scale is None"). The flush now applies the partial cycle exactly as
+    the uninterrupted run's flush does (bit for bit), scale included."""
+    data = make_data(K * B)
+    results = []
+    for resume in (False, True):
+        model, _ = make_pair(0)
+        scaler = _scaler()
+        opt = GradientAccumulateOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), K, grad_scaler=scaler
+        )
+        x, y = data
+        for j in range(2):
+            sl = slice(j * B, (j + 1) * B)
+            scaler.scale(mse(model, x[sl], y[sl])).backward()
+            opt.step()
+            opt.zero_grad()
+        if resume:
+            saved, saved_scaler = opt.state_dict(), scaler.state_dict()
+            scaler = _scaler()
+            scaler.load_state_dict(saved_scaler)
+            opt = GradientAccumulateOptimizer(
+                torch.optim.AdamW(model.parameters(), lr=1e-2), K, grad_scaler=scaler
+            )
+            opt.load_state_dict(saved)
+        assert opt.flush()
+        results.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert results[0][1] == results[1][1] == 1024.0
