@@ -278,20 +278,23 @@ class CorePath:
         units = None if group.units is None else [group.units[j] for j in pos]
         return _Group([group.index[j] for j in pos], group.agc, group.weight_decay, units)
 
+    def _agc_args(self, group: _Group) -> dict[str, Any]:
+        """The core.apply arguments every update of ``group`` shares (AGC, no reset)."""
+        return dict(
+            agc=group.agc,
+            clip_factor=self.settings.clip_factor,
+            agc_eps=self.settings.eps,
+            layout=group.units if group.agc else "trailing",
+            reset=False,
+        )
+
     def _fused_update(self, kind: str, groups: list[_Group], scale: float) -> None:
         inner = self.inner
         lr = float(keras.ops.convert_to_numpy(inner.learning_rate))
         step = int(keras.ops.convert_to_numpy(inner.iterations)) + 1
         for group in groups:
             common = dict(
-                lr=lr,
-                grad_scale=scale,
-                agc=group.agc,
-                clip_factor=self.settings.clip_factor,
-                agc_eps=self.settings.eps,
-                layout=group.units if group.agc else "trailing",
-                reset=False,
-                weight_decay=group.weight_decay,
+                lr=lr, grad_scale=scale, weight_decay=group.weight_decay, **self._agc_args(group)
             )
             params = [self.params[i] for i in group.index]
             accs = [self.accs[i] for i in group.index]
@@ -322,11 +325,7 @@ class CorePath:
                 [self.accs[i] for i in group.index],
                 optimizer="none",
                 grad_scale=scale,
-                agc=group.agc,
-                clip_factor=self.settings.clip_factor,
-                agc_eps=self.settings.eps,
-                layout=group.units if group.agc else "trailing",
-                reset=False,
+                **self._agc_args(group),
             )
         keep = sorted(i for group in groups for i in group.index)
         variables = [self.variables[i] for i in keep]

@@ -33,7 +33,8 @@ from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction,
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
 
 _LEFTOVERS = ("apply", "carry")
-_HOOK_DICTS = (
+# The hook registries of torch.optim.Optimizer, which a wrapper not calling its __init__ needs.
+HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
     "_optimizer_step_post_hooks",
     "_optimizer_state_dict_pre_hooks",
@@ -244,7 +245,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         # The inner optimizer's groups, state and defaults are the wrapper's (properties below
         # read its current objects: its load_state_dict() replaces them, and an LR scheduler
         # must keep acting on them). torch.optim.Optimizer.__init__ would rebuild the groups.
-        for name in _HOOK_DICTS:
+        for name in HOOK_DICTS:
             setattr(self, name, OrderedDict())
 
         self._params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -30,7 +30,7 @@ import torch
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.torch.optimizer import HOOK_DICTS, GradientAccumulateOptimizer
 
 __all__ = ["GradientAccumulationTrainer", "target_tokens"]
 
@@ -56,14 +56,7 @@ class _TrainerStep(torch.optim.Optimizer):
     def __init__(self, wrapper: GradientAccumulateOptimizer) -> None:
         self.wrapper = wrapper
         self.pending_weight: float | None = None
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
+        for name in HOOK_DICTS:
             setattr(self, name, OrderedDict())
 
     @property
