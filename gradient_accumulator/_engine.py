@@ -81,6 +81,8 @@ class Cycle:
         self.early = False
         self.early_weight = 1.0
         self.early_index: set[int] = set()
+        # The weight of the coming micro-batch when it was named before its backward.
+        self.named_weight: float | None = None
         self.reset()
 
     @property
@@ -115,6 +117,37 @@ class Cycle:
         return [i for i, s in enumerate(self.seen) if s]
 
     # ---- micro-steps ----
+
+    def micro_weight(self, weight: float) -> float:
+        """The weight a micro-step takes: ``weight``, reconciled with one named before its
+        backward (:attr:`named_weight`, which a ``weight`` of 1 defers to) and with the one its
+        gradients were already folded in with during the backward.
+
+        Raises:
+            ValueError: ``weight`` contradicts either (nothing changed).
+        """
+        named = self.named_weight
+        if self.early:
+            used = self.early_weight
+            if weight != used and not (weight == 1.0 and named is not None):
+                raise ValueError(
+                    f"weight={weight} differs from the weight {used} the gradients were already "
+                    "reduced with during the backward; with overlap_reduce pass the weight to "
+                    "accumulate(model, opt, weight=...) (or set overlap_reduce=False)"
+                )
+            return used
+        if named is not None and weight != named:
+            if weight != 1.0:
+                raise ValueError(
+                    f"weight={weight} differs from the weight {named} given to "
+                    "accumulate(model, opt, weight=...); give it once"
+                )
+            return named
+        return weight
+
+    def hook_weight(self) -> float:
+        """The weight gradients folded in during a backward take (the named one, else 1)."""
+        return self.named_weight if self.named_weight is not None else 1.0
 
     def fold(
         self,

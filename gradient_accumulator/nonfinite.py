@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -61,6 +63,24 @@ def check_on_nonfinite(value: Any, name: str = "on_nonfinite") -> str:
     return value
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _outside_caller() -> int:
+    """The ``warnings.warn`` stacklevel, for a warning issued by the caller of this function,
+    of the first frame outside this package and outside torch's context-manager decorators."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        internal = path.startswith(_PACKAGE_DIR + os.sep) or path.endswith(
+            os.path.join("torch", "utils", "_contextlib.py")
+        )
+        if not internal:
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class NonFiniteCounter:
     """Counts skipped cycles of one wrapper and warns on the 1st, 2nd, 4th, 8th, … of them.
 
@@ -72,10 +92,17 @@ class NonFiniteCounter:
         self.owner = owner
         self.skipped = 0
 
-    def record_skip(self, stacklevel: int = 3) -> None:
-        """Count one skipped cycle; warn when the count is a power of two."""
+    def record_skip(self, stacklevel: int | None = 3) -> None:
+        """Count one skipped cycle; warn when the count is a power of two.
+
+        Args:
+            stacklevel: as for ``warnings.warn``; None points the warning at the first caller
+                outside this package (and outside torch's ``no_grad`` decorator).
+        """
         self.skipped += 1
         n = self.skipped
+        if stacklevel is None:
+            stacklevel = _outside_caller()
         if n & (n - 1) == 0:
             warnings.warn(
                 f"{self.owner}: the accumulated gradient of a cycle is not finite (NaN or Inf); "

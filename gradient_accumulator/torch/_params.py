@@ -81,6 +81,38 @@ def check_layout(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
             )
 
 
+def dense_grad(g: torch.Tensor, p: torch.Tensor, name: str) -> torch.Tensor:
+    """A parameter's ``.grad`` as the core takes it, or a clear error naming the parameter."""
+    if g.is_sparse:
+        raise TypeError(f"parameter {name} has a sparse gradient, which is not supported")
+    if g.shape != p.shape:
+        raise ValueError(
+            f"parameter {name}'s .grad has shape {tuple(g.shape)}, not {tuple(p.shape)}"
+        )
+    g = g.detach()
+    return g if g.is_contiguous() else g.contiguous()
+
+
+def accumulator_buffer(
+    params: Sequence[torch.Tensor], bucket_cap_mb: float, scalar_slots: int
+) -> tuple[torch.Tensor, Any, int, list[torch.Tensor]]:
+    """One flat fp32 buffer for all accumulators, laid out in backward order and cut into
+    buckets of ``bucket_cap_mb`` MiB, followed by a tail: ``scalar_slots`` elements, then one
+    "seen" flag per parameter (a multiple of 16 elements, for 64-byte alignment).
+
+    Returns:
+        ``(flat, plan, tail, accumulators)``: the buffer, its ``core.arena_plan``, the tail's
+        length and one view of the buffer per parameter, shaped like it.
+    """
+    plan = core.arena_plan(
+        [p.numel() for p in params], bucket_numel=max(1, int(bucket_cap_mb * 2**18))
+    )
+    tail = scalar_slots + -(-len(params) // 16) * 16
+    flat = torch.zeros(plan.total + tail, dtype=torch.float32, device=params[0].device)
+    accs = [flat[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)]
+    return flat, plan, tail, accs
+
+
 def layout_fingerprint(optimizer: torch.optim.Optimizer, numel: int) -> str:
     """A digest of what the accumulator buffer's layout depends on (shapes, dtypes, groups)."""
     h = hashlib.sha256()

@@ -187,3 +187,19 @@ class GradViews:
         self.touched.clear()
         self.replaced.clear()
         self.install()
+
+    def after_step(self, micro_step: int) -> None:
+        """After ``step()`` or a flush: zeroed views for a new cycle, else the same views."""
+        if micro_step == 0:
+            self.clear()
+        else:
+            self.done()
+
+    def after_load(self, micro_step: int, named_weight: float | None) -> None:
+        """After ``load_state_dict()`` wrote the accumulators: they hold weighted sums (scale
+        1); a weight named before the load still holds for the coming backward."""
+        self.scale = 1.0
+        if micro_step == 0:
+            self.clear()
+        if named_weight is not None:
+            self.expect(named_weight)

@@ -171,7 +171,8 @@ class CycleReduction:
         group, timeout: as for :class:`BucketReducer`.
         tail: ``SCALAR_SLOTS`` plus room for the seen flags.
         layout: the buffer's layout fingerprint (hex digits).
-        settings: named integers every rank must hold, checked once here (one all-reduce).
+        settings: named integers every rank must hold, checked once here (one all-reduce),
+            with the buffer's size, bucket count and layout fingerprint.
     """
 
     def __init__(
@@ -186,6 +187,14 @@ class CycleReduction:
     ) -> None:
         # Ranks that disagree on the cycle or the layout would pair wrong collectives (or
         # abort inside the backend on different sizes): one clear error on every rank now.
+        settings = dict(settings)
+        settings.update(
+            {
+                "accumulator elements": flat.numel(),
+                "buckets": len(plan.bucket_start),
+                "layout fingerprint": int(layout[:12], 16),
+            }
+        )
         check_ranks_agree(group, settings, flat.device)
         self.flat = flat
         self.tail = tail

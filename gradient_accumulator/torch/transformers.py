@@ -30,7 +30,8 @@ import torch
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from gradient_accumulator.torch.optimizer import HOOK_DICTS, GradientAccumulateOptimizer
+from gradient_accumulator.torch._options import HOOK_DICTS
+from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["GradientAccumulationTrainer", "target_tokens"]
 

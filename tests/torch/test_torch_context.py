@@ -112,4 +112,4 @@ def test_accumulate_rejects_bad_arguments(make_pair):
         with pytest.raises(exc, match="weight"):
             with accumulate(model, opt, weight=bad):
                 pass
-    assert opt.micro_step == 0 and opt._next_weight is None
+    assert opt.micro_step == 0 and opt._loop.cycle.named_weight is None

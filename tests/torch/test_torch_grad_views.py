@@ -374,7 +374,7 @@ def test_a_new_wrapper_replaces_an_abandoned_wrappers_views():
             nn.functional.mse_loss(model(x, True), y).backward()
             old.step()
             old.zero_grad()
-        flat = weakref.ref(old._flat)
+        flat = weakref.ref(old._loop.flat)
         del old
         gc.collect()
         new = GradientAccumulateOptimizer(

@@ -433,7 +433,7 @@ def test_state_dict_of_another_layout_with_the_same_size_is_refused():
     a, b = nn.Linear(2, 4), nn.Linear(3, 3)  # 8 + 4 and 9 + 3 elements
     opt_a, opt_b = _opt_for(a), _opt_for(b)
     assert opt_a.accumulators()[0].numel() + 4 == 12 == opt_b.accumulators()[0].numel() + 3
-    assert opt_a._flat.numel() == opt_b._flat.numel()
+    assert opt_a._loop.flat.numel() == opt_b._loop.flat.numel()
     for _ in range(3):
         _one_micro_step(a, opt_a, 2)
     before = opt_b.state_dict()

@@ -447,3 +447,34 @@ def test_fp32_and_bf16_parameters_in_one_fused_group(inner):
 
     for x, y in zip(run(False), run(True)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_nonfinite_warning_points_at_the_users_step_and_flush_calls():
+    """The skip warning names the line of the user's ``step()``/``flush()`` call, not a line
+    inside the package or torch's ``no_grad`` decorator (the frames between them changed when
+    the wrapper's loop moved into its own module)."""
+    import inspect
+
+    from gradient_accumulator import NonFiniteGradientWarning
+
+    model = nn.Linear(3, 1)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+
+    def nan_grads() -> None:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+
+    nan_grads()
+    opt.step()
+    nan_grads()
+    with pytest.warns(NonFiniteGradientWarning) as step_warning:
+        line = inspect.currentframe().f_lineno + 1
+        opt.step()
+    assert (step_warning[0].filename, step_warning[0].lineno) == (__file__, line)
+    nan_grads()
+    opt.step()
+    with pytest.warns(NonFiniteGradientWarning) as flush_warning:
+        line = inspect.currentframe().f_lineno + 1
+        assert not opt.flush()
+    assert (flush_warning[0].filename, flush_warning[0].lineno) == (__file__, line)
+    assert opt.accumulation_state.updates == 0 and opt.micro_step == 0

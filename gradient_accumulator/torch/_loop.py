@@ -1,0 +1,276 @@
+"""The PyTorch optimizer wrapper's working parts: the engine's cycle driven with torch objects.
+
+:class:`Loop` holds what the wrapper builds from its inner optimizer and options — the flat fp32
+accumulator buffer, the engine's :class:`~gradient_accumulator._engine.Cycle`, the inner update,
+the loss scale, the reduction over ranks, the ``.grad`` views — and runs a micro-step, a
+boundary, a flush and a checkpoint's save and load with them. The public class
+(``optimizer.py``) checks arguments and translates: ``.grad`` tensors in, properties out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from gradient_accumulator._engine import REDUCTIONS, Cycle, clip_coef, grad_scale
+from gradient_accumulator.nonfinite import NonFiniteCounter
+from gradient_accumulator.torch import _params
+from gradient_accumulator.torch._guards import held_interrupts
+from gradient_accumulator.torch._options import Options
+from gradient_accumulator.torch._update import InnerUpdate, LossScale
+from gradient_accumulator.torch._views import GradViews
+from gradient_accumulator.torch.batchnorm import layers_to_flush
+from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
+
+
+class StepHooks(NamedTuple):
+    """The wrapper's step pre- and post-hooks, and the optimizer they receive."""
+
+    owner: Any
+    pre: dict
+    post: dict
+
+
+class Loop:
+    """One wrapper's accumulation state and its micro-step, boundary, flush and checkpoint.
+
+    Args:
+        optimizer: the inner optimizer; ``model``: the module of its parameters, or None.
+        options: the wrapper's checked options.
+        grad_scaler, process_group, agc_exclude: as the wrapper takes them.
+
+    Attributes (the wrapper's settings live here; it exposes them as properties):
+        max_grad_norm, leftover, on_nonfinite: as the wrapper takes them.
+        update_applied, last_grad_norm: what the last step or flush did.
+        updates: optimizer updates made so far.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None,
+        options: Options,
+        grad_scaler: Any,
+        process_group: Any,
+        agc_exclude: Any,
+    ) -> None:
+        o = options
+        self.optimizer, self.model = optimizer, model
+        self.max_grad_norm, self.leftover, self.on_nonfinite = (
+            o.max_grad_norm,
+            o.leftover,
+            o.on_nonfinite,
+        )
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.names = _params.parameter_names(optimizer, model)
+        _params.check_parameters(self.params, self.names)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.scaler = LossScale(grad_scaler, self.params[0].device)
+        self.distributed, group = (
+            (False, None) if process_group is False else resolve_group(process_group)
+        )
+        # The tail's scalars travel with the last bucket: the weight, the non-finite flag, the
+        # ranks' agreement and the seen flags.
+        self.flat, plan, tail, accs = _params.accumulator_buffer(
+            self.params, o.bucket_cap_mb, SCALAR_SLOTS
+        )
+        # On CUDA the core raises a device flag for non-finite gradients instead of returning a
+        # Python bool, so micro-steps never wait for the GPU; the flag is read once per cycle.
+        device = self.params[0].device
+        flag = (
+            torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
+        )
+        self.cycle = Cycle(accs, o.accum_steps, o.reduction, device_flag=flag)
+        self.agc_exclude = agc_exclude
+        self.update = InnerUpdate(
+            optimizer,
+            self.params,
+            accs,
+            agc_skip=_params.agc_excluded(self.params, agc_exclude) if o.use_agc else None,
+            clip_factor=o.clip_factor,
+            eps=o.eps,
+        )
+        self.layout = _params.layout_fingerprint(optimizer, self.flat.numel())
+        self.across_ranks: CycleReduction | None = None
+        self.hooks: list[Any] = []
+        if self.distributed:
+            agree = {
+                "accum_steps": o.accum_steps,
+                "reduction": REDUCTIONS.index(o.reduction),
+                "number of parameters": len(self.params),
+                "overlap_reduce": int(o.overlap_reduce),
+            }
+            self.across_ranks = CycleReduction(
+                self.flat, plan, group, o.reduce_timeout, tail, self.layout, agree
+            )
+            if o.overlap_reduce and not o.gradient_as_view:
+                self.hooks = self.across_ranks.overlap(
+                    self.params, self.cycle, self.cycle.hook_weight
+                )
+        self.views = GradViews(self.params, accs) if o.gradient_as_view else None
+        self.nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
+        self.updates = 0
+        self.flushing = False  # the reduction in progress is a flush's (checked across ranks)
+        self.update_applied = False
+        self.last_grad_norm: Any = None
+
+    @property
+    def reducer(self) -> Any:
+        """The bucket reducer of the reduction over ranks (None when not distributed)."""
+        return self.across_ranks.reducer if self.across_ranks is not None else None
+
+    # ---- the loop ----
+
+    def check_groups(self) -> None:
+        """Refuse a parameter group added to the inner optimizer after wrapping: its gradients
+        would never be folded in, weighted or freed, and would reach the update summed."""
+        if sum(len(g["params"]) for g in self.optimizer.param_groups) != len(self.params):
+            raise RuntimeError(
+                "the inner optimizer's parameter groups changed after it was wrapped in "
+                "GradientAccumulateOptimizer (add_param_group on the inner optimizer?); add "
+                "every group before wrapping, or wrap it again"
+            )
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Drop the ``.grad`` tensors that are not views of the accumulators."""
+        views = self.views
+        if views is not None:
+            views.check_drop(self.names.__getitem__)
+        for i, p in enumerate(self.params):
+            if p.grad is not None and not (views is not None and views.holds(i)):
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def step(self, weight: float, hooks: StepHooks) -> None:
+        """Fold the parameters' ``.grad`` in with ``weight``; update at the cycle's end."""
+        cycle, views = self.cycle, self.views
+        weight = cycle.micro_weight(weight)
+        if cycle.boundary_next and not all(p.is_contiguous() for p in self.params):
+            # A parameter converted since construction (e.g. model.to(memory_format=...)):
+            # refuse before this micro-batch is folded in, naming it.
+            _params.check_layout(self.params, self.names)
+        if views is not None:
+            views.settle_check(weight, self.names.__getitem__)
+        grads = [
+            None
+            if p.grad is None or (views is not None and views.holds(i))
+            else _params.dense_grad(p.grad, p, self.names[i])
+            for i, p in enumerate(self.params)
+        ]
+        # At the boundary the pass also returns Σacc²: the clip norm, and the check that the
+        # accumulated result is finite (finite gradients can overflow fp32 once summed).
+        norm = cycle.boundary_next and not self.distributed and cycle.reduction != "running_mean"
+        with held_interrupts:
+            held = views.settle() if views is not None else ()
+            cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
+            for p in self.params:  # the gradient now lives in the accumulator
+                p.grad = None
+            cycle.named_weight = None
+            self.update_applied = False
+            try:
+                if cycle.micro_step >= cycle.accum_steps:
+                    self.apply(hooks)
+            finally:
+                if views is not None:
+                    views.after_step(cycle.micro_step)
+
+    def flush(self, hooks: StepHooks) -> bool:
+        """Apply a partial cycle with its true weight (see the wrapper's ``flush``)."""
+        self.update_applied = False
+        if self.leftover == "carry":
+            return False
+        with held_interrupts:
+            applied = False
+            if self.cycle.micro_step > 0 or self.distributed:
+                self.cycle.sumsq = None
+                self.flushing = True
+                try:
+                    applied = self.apply(hooks)
+                finally:
+                    self.flushing = False
+                    if self.views is not None:
+                        self.views.after_step(self.cycle.micro_step)
+            for layer in layers_to_flush(self.model, self.index):
+                layer.flush()
+        return applied
+
+    def apply(self, hooks: StepHooks) -> bool:
+        """The boundary: reduce over ranks, skip a non-finite or weightless cycle, else clip
+        and update. Returns whether the weights were updated."""
+        cycle = self.cycle
+        if self.across_ranks is not None:
+            cycle.collect_device_flag()
+            self.across_ranks.reduce(cycle, self.flushing)
+        idx = cycle.seen_index()
+        scaling = self.scaler.enabled()
+        scale = grad_scale(cycle.reduction, cycle.total_weight, self.scaler.scale())
+        norm = cycle.result_norm(idx, scale)
+        cycle.collect_device_flag()
+        cycle.nonfinite |= not math.isfinite(cycle.total_weight)
+        if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):
+            # Skip the whole cycle: nothing half-applied, accumulators start over.
+            self.scaler.update(found_inf=True)
+            cycle.reset()
+            self.last_grad_norm = float("nan")
+            if not scaling:
+                if self.on_nonfinite == "raise":
+                    self.nonfinite_counter.raise_error()
+                self.nonfinite_counter.record_skip(stacklevel=None)  # at the user's call
+            return False
+        if not cycle.total_weight > 0:
+            # Every micro-batch of the cycle had weight 0: there is no gradient to apply (an
+            # update would still move weights through weight decay and momentum).
+            cycle.reset()
+            return False
+        self.update.run_step_hooks(hooks.owner, hooks.pre, post=False)
+        coef = None
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = norm
+            if cycle.cuda:  # norm and coefficient stay on the device
+                coef = clip_coef(norm, self.max_grad_norm).to(torch.float32).reshape(1)
+            else:
+                scale *= clip_coef(norm, self.max_grad_norm)
+        self.update(idx, scale, coef)
+        self.updates += 1
+        self.scaler.update(found_inf=False)
+        cycle.reset()
+        self.update_applied = True
+        self.update.run_step_hooks(hooks.owner, hooks.post, post=True)
+        return True
+
+    # ---- checkpoints ----
+
+    def save(self) -> dict[str, Any]:
+        """The ``"accumulation"`` entry of the wrapper's state dict."""
+        cycle = self.cycle
+        saved = {"layout": self.layout, "accum_steps": cycle.accum_steps}
+        saved.update(reduction=cycle.reduction, **cycle.state())
+        saved.update(updates=self.updates, growth_tracker=self.scaler.growth_tracker)
+        views = self.views
+        saved["accumulators"] = self.flat.clone() if views is None else views.saved(self.flat)
+        return saved
+
+    def load(self, state_dict: dict[str, Any]) -> None:
+        """Check everything, then load the inner optimizer's state and the accumulation."""
+        cycle = self.cycle
+        _params.check_saved(
+            state_dict,
+            layout=self.layout,
+            flat=self.flat,
+            accum_steps=cycle.accum_steps,
+            reduction=cycle.reduction,
+            groups=[len(g["params"]) for g in self.optimizer.param_groups],
+        )
+        acc, inner = state_dict["accumulation"], state_dict["optimizer"]
+        cycle.check_state(acc)
+        self.optimizer.load_state_dict(inner)
+        self.flat.copy_(acc["accumulators"])
+        cycle.load_state(acc)
+        if self.views is not None:
+            self.views.after_load(cycle.micro_step, cycle.named_weight)
+        self.updates = int(acc["updates"])
+        self.scaler.growth_tracker = int(acc.get("growth_tracker", 0))
