@@ -2,7 +2,8 @@
 
 Forward normalises with the micro-batch's own statistics (the layer cannot see the big batch).
 Each training forward adds the micro-batch's per-channel (count, mean, M2) to the cycle's moments
-(Chan's parallel formula, fp64, in the C++ core); the ``accum_steps``-th forward updates
+(Chan's parallel formula, fp64, in the C++ core: on the device where the core has kernels, on the
+CPU and CUDA; through small host copies elsewhere); the ``accum_steps``-th forward updates
 ``running_mean``, ``running_var`` and ``num_batches_tracked`` once, exactly as one
 ``nn.BatchNorm*d`` forward over the concatenated big batch would (unbiased running variance,
 PyTorch's momentum convention, ``momentum=None`` as a cumulative average). Under
@@ -41,6 +42,32 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 def live_layers() -> list[nn.Module]:
     """The AccumBatchNorm layers that currently exist (in no particular order)."""
     return list(_LIVE)
+
+
+def core_runs_on(device: torch.device, *, moments: bool = False) -> bool:
+    """Whether the C++ core's batch-norm kernels take tensors on ``device``.
+
+    The merge and the running-statistics update run on the CPU always, and on CUDA when the
+    build has CUDA kernels; the moments of an input (``moments=True``) on the CPU only. Elsewhere
+    (mps, xpu, CUDA with a CPU-only build) the layer goes through host copies.
+    """
+    if device.type == "cpu":
+        return True
+    return not moments and device.type == "cuda" and core.has_cuda()
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of ``t`` on the CPU (a copy even of a CPU tensor)."""
+    return t.to(device="cpu", dtype=torch.float64, copy=True)
+
+
+def _torch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (axis 1) mean and M2 of ``x`` with torch ops, float64, on ``x``'s device."""
+    dims = [d for d in range(x.dim()) if d != 1]
+    xd = x.double()
+    mean = xd.mean(dim=dims)
+    m2 = ((xd - mean.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dim=dims)
+    return mean, m2
 
 
 _COMPILE_REASON = (
@@ -131,26 +158,27 @@ class _AccumBatchNormMixin:
             for name in ("accum_count", "accum_mean", "accum_m2"):
                 setattr(self, name, getattr(self, name).double())
         count = x.numel() // x.shape[1]
-        if x.device.type == "cpu":
+        if core_runs_on(x.device, moments=True):
             mean, m2, count = core.bn_moments(
                 x.contiguous(),
                 channels_axis=1,
                 mean=torch.empty(self.num_features, dtype=torch.float64),
                 m2=torch.empty(self.num_features, dtype=torch.float64),
             )
+        else:
+            mean, m2 = _torch_moments(x)
+        if core_runs_on(self.accum_mean.device):
+            mean, m2 = mean.to(self.accum_mean.device), m2.to(self.accum_mean.device)
             total = core.bn_merge(
                 float(self.accum_count), self.accum_mean, self.accum_m2, float(count), mean, m2
             )
-        else:  # devices without core kernels: the same merge with torch ops
-            dims = [d for d in range(x.dim()) if d != 1]
-            xd = x.double()
-            mean = xd.mean(dim=dims)
-            m2 = ((xd - mean.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dim=dims)
-            na, nb = float(self.accum_count), float(count)
-            total = na + nb
-            delta = mean - self.accum_mean
-            self.accum_mean += delta * (nb / total)
-            self.accum_m2 += m2 + delta * delta * (na * nb / total)
+        else:  # no core kernels on this device: merge small host copies, copy the result back
+            acc_mean, acc_m2 = _host(self.accum_mean), _host(self.accum_m2)
+            total = core.bn_merge(
+                float(self.accum_count), acc_mean, acc_m2, float(count), _host(mean), _host(m2)
+            )
+            self.accum_mean.copy_(acc_mean)
+            self.accum_m2.copy_(acc_m2)
         self.accum_count.fill_(total)
         self.accum_step += 1
         if int(self.accum_step) >= self.accum_steps:
@@ -178,21 +206,20 @@ class _AccumBatchNormMixin:
         count = float(self.accum_count)
         if count > 1:
             rm, rv = self.running_mean, self.running_var
-            direct = rm.device.type == "cpu" and rm.dtype in (torch.float32, torch.float64)
-            rm32 = rm if direct else rm.double().cpu()
-            rv32 = rv if direct else rv.double().cpu()
-            core.bn_update_running(
-                rm32,
-                rv32,
-                self.accum_mean.cpu(),
-                self.accum_m2.cpu(),
-                count,
-                momentum=factor,
-                unbiased=True,
-            )
+            if core_runs_on(rm.device):
+                mean, m2 = self.accum_mean, self.accum_m2
+                direct = rm.dtype in (torch.float32, torch.float64)
+                # fp16/bf16 statistics: an fp64 copy on the same device, rounded once back
+                rm_w = rm if direct else rm.double()
+                rv_w = rv if direct else rv.double()
+            else:  # no core kernels on this device: update host copies, copy the result back
+                mean, m2 = _host(self.accum_mean), _host(self.accum_m2)
+                direct = False
+                rm_w, rv_w = _host(rm), _host(rv)
+            core.bn_update_running(rm_w, rv_w, mean, m2, count, momentum=factor, unbiased=True)
             if not direct:
-                rm.copy_(rm32)
-                rv.copy_(rv32)
+                rm.copy_(rm_w)
+                rv.copy_(rv_w)
         self.accum_count.zero_()
         self.accum_mean.zero_()
         self.accum_m2.zero_()
@@ -219,13 +246,14 @@ class _AccumBatchNormMixin:
         mine = torch.cat([self.accum_count.view(1), self.accum_mean, self.accum_m2])
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
-        count = float(gathered[0][0])
-        mean, m2 = gathered[0][1 : 1 + c].clone().cpu(), gathered[0][1 + c :].clone().cpu()
-        for other in gathered[1:]:  # rank order: every rank computes the same result
-            other = other.cpu()
-            count = core.bn_merge(
-                count, mean, m2, float(other[0]), other[1 : 1 + c].clone(), other[1 + c :].clone()
-            )
+        if not core_runs_on(mine.device):  # no core kernels there: merge on the host
+            gathered = [_host(g) for g in gathered]
+        counts = torch.stack([g[0] for g in gathered]).tolist()  # one read of the device
+        # Merged into rank 0's gathered copy (a buffer of its own), in rank order: every rank
+        # computes the same result.
+        count, mean, m2 = counts[0], gathered[0][1 : 1 + c], gathered[0][1 + c :]
+        for n, other in zip(counts[1:], gathered[1:]):
+            count = core.bn_merge(count, mean, m2, n, other[1 : 1 + c], other[1 + c :])
         self.accum_count.fill_(count)
         self.accum_mean.copy_(mean)
         self.accum_m2.copy_(m2)
