@@ -11,10 +11,16 @@ values for their users), torch inference tensors outside ``torch.inference_mode(
 negative-bit views (``x._neg_view()``, ``x.conj().imag``) are refused with a ``ValueError``. As
 inputs, negative-bit views are read with their sign (through a resolved copy).
 
-CUDA: PyTorch CUDA tensors go to the CUDA kernels (when the build has them, see
-:func:`has_cuda`), enqueued on ``torch.cuda.current_stream()`` of their device. Nothing waits for
-the GPU: results that are Python numbers for CPU tensors (the non-finite flag, sums of squares,
-the apply's norm, coefficient and skip decision) are 0-dim device tensors instead.
+CUDA: tensors on a CUDA device go to the CUDA kernels (when the build has them, see
+:func:`has_cuda`). This module imports no framework: the stream a call is enqueued on, the
+device made current around it and the device tensors it returns come from the CUDA adapter of
+the tensor's framework, found by the top-level module of the tensor's type (see
+:func:`register_cuda_adapter`). PyTorch's adapter, ``gradient_accumulator.torch._device``, is
+imported on the first call with a torch CUDA tensor and enqueues on
+``torch.cuda.current_stream()`` of the tensor's device. CUDA tensors of a framework without an
+adapter are refused with a ``TypeError``. Nothing waits for the GPU: results that are Python
+numbers for CPU tensors (the non-finite flag, sums of squares, the apply's norm, coefficient and
+skip decision) are 0-dim device tensors instead.
 
 Example:
     >>> import numpy as np
@@ -29,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -47,9 +54,10 @@ __all__ = [
     "bn_moments",
     "bn_update_running",
     "cpu_isa",
-    "global_norm",
     "cuda_device_count",
+    "global_norm",
     "has_cuda",
+    "register_cuda_adapter",
     "sum_of_squares",
     "unit_layout",
     "unitwise_norm",
@@ -115,51 +123,107 @@ def cuda_device_count() -> int:
     return int(load_core().cuda_device_count())
 
 
-def _cuda_stream(t: Any) -> int | None:
-    """The current stream of a PyTorch CUDA tensor's device; None for tensors not on CUDA."""
-    device = getattr(t, "device", None)
-    kind = getattr(device, "type", None)
-    if kind == "cuda":
-        import torch
+#: DLPack device types of CUDA memory: kDLCUDA and kDLCUDAManaged.
+_CUDA_DLPACK_DEVICES = (2, 13)
 
-        return int(torch.cuda.current_stream(device).cuda_stream)
-    if kind is not None:  # a torch tensor on another device
-        return None
-    dl_device = getattr(t, "__dlpack_device__", None)
-    if dl_device is not None and not isinstance(t, np.ndarray) and dl_device()[0] in (2, 13):
-        raise TypeError(
-            f"a {type(t).__name__} on a CUDA device: the CUDA kernels take PyTorch tensors "
-            "(their stream is known); pass torch tensors or CPU arrays"
+#: The methods a CUDA adapter has (see :func:`register_cuda_adapter`).
+_ADAPTER_METHODS = ("stream", "device", "empty")
+
+#: CUDA adapters, by the top-level module of the tensor types they serve.
+_CUDA_ADAPTERS: dict[str, Any] = {}
+
+#: The package's own adapters: the module imported on first need, which registers its adapter.
+_ADAPTER_MODULES = {"torch": "gradient_accumulator.torch._device"}
+
+
+def register_cuda_adapter(framework: str, adapter: Any) -> None:
+    """Let the CUDA kernels take the CUDA tensors of ``framework``.
+
+    The core launches its kernels on a stream it is given and on the current device, and
+    returns device tensors for the results it does not read back. Only the tensor's framework
+    knows its stream and how to make a device current or allocate, so each framework supplies
+    an adapter with three methods:
+
+    - ``stream(t) -> int``: the handle of the stream (``cudaStream_t``) the call on tensor ``t``
+      is enqueued on, usually the framework's current stream on ``t``'s device;
+    - ``device(t)``: a context manager that makes ``t``'s device current during the call;
+    - ``empty(like, dtype, shape, fill)``: a new ``"float32"`` or ``"float64"`` tensor of
+      ``shape`` (a tuple, ``()`` for a 0-dim tensor) on ``like``'s device, filled with ``fill``
+      or left uninitialized when ``fill`` is None.
+
+    A CUDA tensor is matched to the adapter registered under the top-level module of its type,
+    ``type(t).__module__.split(".")[0]`` (``"torch"``, ``"cupy"``), or else of the first base
+    class that has one. PyTorch's adapter is registered on the first call with a torch CUDA
+    tensor; registering another one under ``"torch"`` replaces it.
+
+    Args:
+        framework: the top-level module name, without dots.
+        adapter: an object with the methods ``stream``, ``device`` and ``empty``.
+
+    Raises:
+        TypeError: ``framework`` is not a string or ``adapter`` lacks one of the methods.
+        ValueError: ``framework`` is empty or has a dot.
+    """
+    if not isinstance(framework, str):
+        raise TypeError(f"framework must be a str, got {type(framework).__name__}")
+    if not framework or "." in framework:
+        raise ValueError(
+            f"framework must be a top-level module name such as 'torch', got {framework!r}"
         )
-    return None
+    missing = [m for m in _ADAPTER_METHODS if not callable(getattr(adapter, m, None))]
+    if missing:
+        raise TypeError(
+            f"adapter must have the methods stream, device and empty; a "
+            f"{type(adapter).__name__} lacks {', '.join(missing)}"
+        )
+    _CUDA_ADAPTERS[framework] = adapter
 
 
-def _on_device(t: Any) -> Any:
+def _cuda_adapter(t: Any) -> Any:
+    """The CUDA adapter of ``t``; None for tensors not on a CUDA device (and for None)."""
+    if t is None or isinstance(t, np.ndarray):
+        return None
+    kind = getattr(getattr(t, "device", None), "type", None)
+    if kind is None:
+        dl_device = getattr(t, "__dlpack_device__", None)
+        if dl_device is None or dl_device()[0] not in _CUDA_DLPACK_DEVICES:
+            return None
+    elif kind != "cuda":  # a tensor whose device says where it is: torch's CPU, MPS, meta
+        return None
+    for cls in type(t).__mro__:
+        framework = cls.__module__.split(".")[0]
+        adapter = _CUDA_ADAPTERS.get(framework)
+        if adapter is None and framework in _ADAPTER_MODULES:
+            importlib.import_module(_ADAPTER_MODULES[framework])  # registers the adapter
+            adapter = _CUDA_ADAPTERS.get(framework)
+        if adapter is not None:
+            return adapter
+    framework = type(t).__module__.split(".")[0]
+    raise TypeError(
+        f"a {type(t).__name__} on a CUDA device: the CUDA kernels need its framework's stream, "
+        f"and {framework!r} has no CUDA adapter; pass PyTorch tensors or CPU arrays, or "
+        f"register one with core.register_cuda_adapter({framework!r}, adapter)"
+    )
+
+
+def _on_device(adapter: Any, t: Any) -> Any:
     """Make a CUDA tensor's device current for a core call (the core never switches devices)."""
-    device = getattr(t, "device", None)
-    if getattr(device, "type", None) != "cuda" or device.index is None:
+    if adapter is None:
         return contextlib.nullcontext()
-    import torch
+    return adapter.device(t)
 
-    if device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device.index)
+
+def _stream(adapter: Any, t: Any) -> int:
+    """The stream handle a call on ``t`` is enqueued on; 0 (unused) for CPU tensors."""
+    if adapter is None:
+        return 0
+    return int(adapter.stream(t))
 
 
 def _first(tensors: Any) -> Any:
     if isinstance(tensors, (list, tuple)) and tensors:
         return tensors[0]
     return None
-
-
-def _device_scalar(like: Any, dtype: str, n: int = 1, fill: float | None = None) -> Any:
-    import torch
-
-    shape = () if n == 1 else (n,)
-    dt = torch.float64 if dtype == "float64" else torch.float32
-    if fill is None:
-        return torch.empty(shape, dtype=dt, device=like.device)
-    return torch.full(shape, fill, dtype=dt, device=like.device)
 
 
 def accumulate(
@@ -209,13 +273,14 @@ def accumulate(
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     weight = _check_real(weight, "weight")
     weight_before = _check_real(weight_before, "weight_before")
-    stream = _cuda_stream(_first(accumulators))
-    if stream is not None:
+    cuda = _cuda_adapter(_first(accumulators))
+    if cuda is not None:
+        stream = _stream(cuda, accumulators[0])
         flag = nonfinite_out
         if flag is None:
-            flag = _device_scalar(accumulators[0], "float32", fill=0.0)
-        sumsq_t = _device_scalar(accumulators[0], "float64") if compute_sumsq else None
-        with _on_device(accumulators[0]):
+            flag = cuda.empty(accumulators[0], "float32", (), 0.0)
+        sumsq_t = cuda.empty(accumulators[0], "float64", (), None) if compute_sumsq else None
+        with _on_device(cuda, accumulators[0]):
             load_core().accumulate(
                 accumulators,
                 grads,
@@ -247,10 +312,11 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Any:
 
     A float for CPU tensors; a 0-dim float64 device tensor for CUDA tensors.
     """
-    stream = _cuda_stream(_first(tensors))
-    if stream is not None:
-        out = _device_scalar(tensors[0], "float64")
-        with _on_device(tensors[0]):
+    cuda = _cuda_adapter(_first(tensors))
+    if cuda is not None:
+        stream = _stream(cuda, tensors[0])
+        out = cuda.empty(tensors[0], "float64", (), None)
+        with _on_device(cuda, tensors[0]):
             load_core().sum_of_squares(tensors, stream=stream, out=out)
         return out
     return float(load_core().sum_of_squares(tensors))
@@ -315,20 +381,20 @@ def unitwise_norm(tensor: Tensor, *, layout: str = "leading", out: Tensor | None
     """Per-unit L2 norms of ``tensor`` (see :func:`unit_layout`).
 
     Returns:
-        ``out`` if given (float32 or float64, one element per unit), else a new float32 array
-        (a NumPy array, or a torch tensor on the device of a CUDA ``tensor``).
+        ``out`` if given (float32 or float64, one element per unit), else a new 1-D float32
+        array (a NumPy array, or, for a CUDA ``tensor``, a tensor of its framework on its
+        device).
     """
     num_units, lay = unit_layout(_shape(tensor, "tensor"), layout)
-    stream = _cuda_stream(tensor)
+    cuda = _cuda_adapter(tensor)
+    stream = _stream(cuda, tensor)
     if out is None:
-        if stream is not None:
-            import torch
-
-            out = torch.empty(num_units, dtype=torch.float32, device=tensor.device)
+        if cuda is not None:
+            out = cuda.empty(tensor, "float32", (num_units,), None)
         else:
             out = np.empty(num_units, np.float32)
-    with _on_device(tensor):
-        load_core().unitwise_norm(tensor, out, num_units, lay, stream=stream or 0)
+    with _on_device(cuda, tensor):
+        load_core().unitwise_norm(tensor, out, num_units, lay, stream=stream)
     return out
 
 
@@ -382,15 +448,16 @@ def adaptive_clip(
         layout: ``"leading"``, ``"trailing"`` or explicit ``(num_units, layout)`` per tensor.
     """
     units = _units(params, layout)
-    stream = _cuda_stream(_first(grads))
-    with _on_device(_first(grads)):
+    cuda = _cuda_adapter(_first(grads))
+    stream = _stream(cuda, _first(grads))
+    with _on_device(cuda, _first(grads)):
         load_core().adaptive_clip(
             params,
             grads,
             units,
             _check_real(clip_factor, "clip_factor"),
             _check_real(eps, "eps"),
-            stream=stream or 0,
+            stream=stream,
         )
 
 
@@ -513,11 +580,12 @@ def apply(
     o.beta2 = _check_real(betas[1], "betas[1]")
     o.adam_eps = _check_real(eps, "eps")
     o.step = int(step)
-    stream = _cuda_stream(_first(accumulators))
-    stats = _device_scalar(accumulators[0], "float32", 3) if stream is not None else None
-    with _on_device(_first(accumulators)):
+    cuda = _cuda_adapter(_first(accumulators))
+    stream = _stream(cuda, _first(accumulators))
+    stats = cuda.empty(accumulators[0], "float32", (3,), None) if cuda is not None else None
+    with _on_device(cuda, _first(accumulators)):
         r = lib.apply(
-            params, accumulators, state1, state2, grads_out, o, stream=stream or 0, stats_out=stats
+            params, accumulators, state1, state2, grads_out, o, stream=stream, stats_out=stats
         )
     if stats is not None:
         return ApplyResult(stats[2], stats[0], stats[1])
@@ -565,7 +633,8 @@ def bn_merge(
     Returns:
         The merged count.
     """
-    with _on_device(mean_a):
+    cuda = _cuda_adapter(mean_a)
+    with _on_device(cuda, mean_a):
         return float(
             load_core().bn_merge(
                 _check_real(count_a, "count_a"),
@@ -574,7 +643,7 @@ def bn_merge(
                 _check_real(count_b, "count_b"),
                 mean_b,
                 m2_b,
-                stream=_cuda_stream(mean_a) or 0,
+                stream=_stream(cuda, mean_a),
             )
         )
 
@@ -594,7 +663,8 @@ def bn_update_running(
     ``momentum`` is PyTorch's (the weight of the new value); pass ``1 - momentum`` for Keras.
     The batch variance is M2/(count − 1) when ``unbiased`` (PyTorch) else M2/count (Keras).
     """
-    with _on_device(running_mean):
+    cuda = _cuda_adapter(running_mean)
+    with _on_device(cuda, running_mean):
         load_core().bn_update_running(
             running_mean,
             running_var,
@@ -603,14 +673,15 @@ def bn_update_running(
             _check_real(count, "count"),
             _check_real(momentum, "momentum"),
             bool(unbiased),
-            stream=_cuda_stream(running_mean) or 0,
+            stream=_stream(cuda, running_mean),
         )
 
 
 def zero(tensors: Sequence[Tensor]) -> None:
     """Set every tensor to zero."""
-    with _on_device(_first(tensors)):
-        load_core().zero(tensors, stream=_cuda_stream(_first(tensors)) or 0)
+    cuda = _cuda_adapter(_first(tensors))
+    with _on_device(cuda, _first(tensors)):
+        load_core().zero(tensors, stream=_stream(cuda, _first(tensors)))
 
 
 class ArenaPlan(NamedTuple):

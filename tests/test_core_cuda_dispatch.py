@@ -8,70 +8,11 @@ fails cleanly when there is no device. Builds without CUDA kernels refuse with R
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
+from helpers import FakeCudaTensor
 
 from gradient_accumulator import _C, core
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [
-        ("dl_tensor", _DLTensor),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-    ]
-
-
-_new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.restype = ctypes.py_object
-_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_keep: list = []  # the descriptors must outlive every capsule made from them
-
-
-class FakeCudaTensor:
-    """A float tensor that DLPack reports on cuda:`device` (host memory, never dereferenced)."""
-
-    def __init__(self, n: int, bits: int = 32, device: int = 0, code: int = 2):
-        self.host = np.zeros(max(n, 1), dtype=np.float64)  # backing memory, 8-byte aligned
-        self.shape_arr = (ctypes.c_int64 * 1)(n)
-        self.managed = _DLManagedTensor()
-        t = self.managed.dl_tensor
-        t.data = self.host.ctypes.data
-        t.device = _DLDevice(2, device)
-        t.ndim = 1
-        t.dtype = _DLDataType(code, bits, 1)
-        t.shape = self.shape_arr
-        t.strides = None
-        self.shape = (n,)
-        _keep.append(self)
-
-    def __dlpack__(self, **kwargs):
-        return _new_capsule(ctypes.addressof(self.managed), b"dltensor", None)
-
-    def __dlpack_device__(self):
-        return (2, 0)
 
 
 def _runtime_failure_message() -> str:

@@ -261,6 +261,38 @@ def test_runs_on_the_current_stream(dev):
     assert float(a[0].min()) == 6.0 == float(a[0].max())
 
 
+def test_torch_adapter_enqueues_on_a_side_stream_like_the_cpu_core(dev):
+    # The stream comes from PyTorch's CUDA adapter (gradient_accumulator.torch._device): on a
+    # busy non-default stream the results, read after that stream alone, equal the CPU core's.
+    from gradient_accumulator.torch._device import TorchCudaAdapter
+
+    sizes = [3, 4097, 1 << 18]
+    g = [rand(n, torch.bfloat16, dev, 70 + i, -2, 2) for i, n in enumerate(sizes)]
+    acc = [torch.zeros(n, device=dev) for n in sizes]
+    acc_c = [torch.zeros(n) for n in sizes]
+    g_c = [x.cpu() for x in g]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert isinstance(core._cuda_adapter(acc[0]), TorchCudaAdapter)
+        assert core._cuda_adapter(acc[0]).stream(acc[0]) == side.cuda_stream != 0
+        torch.cuda._sleep(50_000_000)
+        for x in g:
+            x.mul_(2.0)
+        r = core.accumulate(acc, g, weight=1.5, overwrite=True, compute_sumsq=True)
+    for x in g_c:
+        x.mul_(2.0)
+    r_c = core.accumulate(acc_c, g_c, weight=1.5, overwrite=True, compute_sumsq=True)
+    side.synchronize()
+    assert r.nonfinite.shape == () and r.nonfinite.dtype == torch.float32
+    assert r.sumsq.shape == () and r.sumsq.dtype == torch.float64
+    assert r.nonfinite.device == r.sumsq.device == acc[0].device
+    assert float(r.nonfinite) == 0.0 and r_c.nonfinite is False
+    for a, a_c in zip(acc, acc_c):
+        assert torch.equal(a.cpu(), a_c)
+    _close(r.sumsq, r_c.sumsq, 1e-12)
+
+
 def test_bad_input_raises_and_writes_nothing(dev):
     a = [torch.zeros(10, device=dev)]
     with pytest.raises(TypeError, match=r"grads\[0\]"):
