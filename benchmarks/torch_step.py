@@ -48,6 +48,14 @@ process, one call of each per repeat after warm-up calls, so machine noise hits 
    * ``torch += last grad, ... (fused)``: the same plus that ``_foreach_add_`` of the last
      micro-batch's gradient, which ours does inside ``step()``: the like-for-like row.
 
+4. bf16 gradient memory (counted, not timed), one mid-cycle micro-step of the bf16 model:
+   plain torch accumulating in bf16 ``.grad``, ours (default mode) and ours with
+   ``gradient_as_view``. What is counted: the bytes of the ``.grad`` tensors the parameters
+   hold, sampled after each parameter's gradient is accumulated during the backward (before
+   the wrapper's own hook runs) and after the backward, at their largest, plus the fp32
+   accumulators (ours: fixed, 4 bytes per parameter). Not counted: activations, and autograd's
+   transient gradient buffers before they land in ``.grad`` (the same in all three loops).
+
 Before timing, the fp32 cycle is cross-checked on the very objects that are then timed: after
 one cycle the weights of ours and of plain torch agree to < 1e-5 relative (per tensor, max |diff|
 / max |w|), after a second to < 1e-4 (Adam amplifies rounding there), with the same clipped
@@ -440,6 +448,44 @@ def bench_model(cfg: dict, dtype: torch.dtype, repeats: int, warmup: int) -> tup
     return rows, summary
 
 
+# ---- 4: bf16 gradient memory ----
+
+
+def bf16_grad_memory(cfg: dict) -> dict[str, dict[str, int]]:
+    """Peak bytes of live ``.grad`` tensors during a mid-cycle micro-step's backward, plus the
+    fp32 accumulators, for plain torch, ours and ours with ``gradient_as_view`` (bf16 model)."""
+    x0, y0 = make_batches(cfg, torch.bfloat16)[0]
+    out = {}
+    for name in ("plain", "ours", "view"):
+        model = make_model(cfg, torch.bfloat16)
+        params = list(model.parameters())
+        peak = [0]
+
+        def sample(_: torch.Tensor | None = None, params=params, peak=peak) -> None:
+            grads = {id(p.grad): p.grad for p in params if p.grad is not None}
+            peak[0] = max(peak[0], sum(g.numel() * g.element_size() for g in grads.values()))
+
+        for p in params:  # registered first: each runs before the wrapper's own hook
+            p.register_post_accumulate_grad_hook(sample)
+        opt = None
+        if name != "plain":
+            opt = GradientAccumulateOptimizer(
+                torch.optim.AdamW(params, lr=LR, weight_decay=WD),
+                NEVER,
+                gradient_as_view=name == "view",
+            )
+        for _ in range(2):  # the second micro-step is measured (plain: .grad already there)
+            peak[0] = 0
+            forward_backward(model, x0, y0, 1.0 / K if opt is None else 1.0)
+            sample()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+        accs = sum(a.numel() * 4 for a in opt.accumulators()) if opt is not None else 0
+        out[name] = dict(grad_bytes=peak[0], accumulator_bytes=accs, total=peak[0] + accs)
+    return out
+
+
 # ---- 3: the apply step ----
 
 
@@ -597,6 +643,7 @@ def main() -> None:
         r, s = bench_model(cfg, dtype, repeats, args.warmup)
         rows += r
         summaries.append(s)
+    memory = bf16_grad_memory(cfg)
     shapes = cfg["apply_shapes"]
     print(f"apply: {len(shapes)} tensors, {numel(shapes):,} parameters ...", flush=True)
     rows += bench_apply(shapes, repeats, args.warmup)
@@ -605,6 +652,17 @@ def main() -> None:
     print("\n* = ours; 'vs ours' = time / our time (> 1: ours is faster)")
     for s in summaries:
         print_summary(s)
+    mib = 1 / 2**20
+    print(
+        "bf16 micro-step, peak live .grad + fp32 accumulators (MiB): "
+        + "; ".join(
+            f"{name} {m['grad_bytes'] * mib:.2f} + {m['accumulator_bytes'] * mib:.2f} = "
+            f"{m['total'] * mib:.2f}"
+            for name, m in zip(
+                ("plain bf16 .grad", "ours", "ours gradient_as_view"), memory.values()
+            )
+        )
+    )
     print(f"total benchmark time {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
@@ -623,6 +681,7 @@ def main() -> None:
                     warmup=args.warmup,
                     results=rows,
                     summary=summaries,
+                    bf16_grad_memory=memory,
                 ),
                 f,
                 indent=1,

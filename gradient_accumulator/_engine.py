@@ -132,8 +132,10 @@ class Cycle:
             if weight != used and not (weight == 1.0 and named is not None):
                 raise ValueError(
                     f"weight={weight} differs from the weight {used} the gradients were already "
-                    "reduced with during the backward; with overlap_reduce pass the weight to "
-                    "accumulate(model, opt, weight=...) (or set overlap_reduce=False)"
+                    "folded in with during the backward (overlap_reduce, or gradient_as_view "
+                    "for bf16/fp16 parameters); pass the weight to accumulate(model, opt, "
+                    "weight=...) before the backward (or set overlap_reduce=False / "
+                    "gradient_as_view=False)"
                 )
             return used
         if named is not None and weight != named:
@@ -175,7 +177,10 @@ class Cycle:
                 continue
             # Accumulators unseen this cycle were zeroed on its first micro-step; a running mean
             # must still scale a late gradient by w/(W+w), so it adds rather than overwrites.
-            if not first and (self.seen[i] or self.reduction == "running_mean"):
+            # A gradient already folded in this micro-step (fold_one) is added to, never
+            # overwritten: the parameter's later backward in the same micro-step.
+            later = not first and (self.seen[i] or self.reduction == "running_mean")
+            if later or i in self.early_index:
                 add_a.append(self.accs[i])
                 add_g.append(g)
             else:
@@ -249,7 +254,10 @@ class Cycle:
             self.early = True
             self.early_weight = weight
             self.total_weight += weight
-        fresh = self.micro_step == 0 or (not self.seen[i] and self.reduction != "running_mean")
+        # A second gradient of the same micro-step (a second backward) adds to the first.
+        fresh = i not in self.early_index and (
+            self.micro_step == 0 or (not self.seen[i] and self.reduction != "running_mean")
+        )
         r = core.accumulate(
             [self.accs[i]],
             [grad],

@@ -109,7 +109,7 @@ class Loop:
                 self.hooks = self.across_ranks.overlap(
                     self.params, self.cycle, self.cycle.hook_weight
                 )
-        self.views = GradViews(self.params, accs) if o.gradient_as_view else None
+        self.views = GradViews(self.params, self.cycle) if o.gradient_as_view else None
         self.nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
         self.updates = 0
         self.flushing = False  # the reduction in progress is a flush's (checked across ranks)

@@ -5,6 +5,13 @@ backward, and ``step()`` makes no pass over the gradients at all. The accumulato
 weighted sum divided by the weight the coming gradient carries (``scale``, 1 unless a weight was
 named before the backward), so the gradient autograd adds unweighted lands with its weight:
 ``step()`` multiplies by ``scale`` once (a pass only for a weight other than 1).
+
+bf16/fp16 parameters cannot have an fp32 view as ``.grad``: a hook after autograd accumulated
+each one's gradient folds it into its fp32 accumulator with the micro-batch's weight (the
+engine's ``fold_one``) and drops the low-precision ``.grad``, so at most one parameter's
+low-precision gradient is alive at a time and ``step()`` makes no pass for them either. Under
+``backward(create_graph=True)`` the hook leaves ``.grad`` alone (it may be part of a graph) and
+``step()`` folds it as in the default mode.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradient_accumulator import core
+from gradient_accumulator._engine import Cycle
 
 # Every view a GradViews installed as a .grad, by id, held weakly (tensors compare elementwise,
 # so no WeakSet): a new wrapper replaces an old wrapper's view.
@@ -52,17 +60,44 @@ def _hooks(ref: weakref.ref, i: int) -> tuple[Callable, Callable]:
     return before, after
 
 
+def _fold_hook(ref: weakref.ref, i: int) -> Callable:
+    """Low-precision parameter ``i``'s hook after its gradient is accumulated: fold ``.grad``
+    into the accumulator with the micro-batch's weight, then drop it."""
+
+    def fold(p: torch.Tensor) -> None:
+        views, grad = ref(), p.grad
+        if views is None or grad is None:
+            return
+        if torch.is_grad_enabled() or grad.requires_grad:
+            # backward(create_graph=True): .grad may be part of a graph the caller still
+            # differentiates; step() folds it, as in the default mode.
+            return
+        if grad.layout != torch.strided or grad.shape != p.shape or not grad.is_contiguous():
+            return  # step() folds it, or names what is wrong with it
+        cycle = views.cycle
+        cycle.fold_one(i, grad, cycle.hook_weight())
+        views.folded.add(i)
+        p.grad = None
+
+    return fold
+
+
 class GradViews:
-    """The fp32 parameters' ``.grad`` as views of their accumulators.
+    """The fp32 parameters' ``.grad`` as views of their accumulators; the bf16/fp16 ones'
+    gradients folded during the backward.
 
     Args:
-        params: the wrapper's parameters; ``accs``: their fp32 accumulators.
+        params: the wrapper's parameters; ``cycle``: the engine's cycle over their fp32
+            accumulators.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], accs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], cycle: Cycle) -> None:
         self.params = list(params)
-        self.accs = list(accs)
+        self.cycle = cycle
+        self.accs = list(cycle.accs)
         self.index = [i for i, p in enumerate(self.params) if p.dtype == torch.float32]
+        low = [i for i, p in enumerate(self.params) if p.dtype != torch.float32]
+        self.folded: set[int] = set()  # low-precision gradients folded in this micro-batch
         self.scale = 1.0  # the views hold Σ wᵢgᵢ / scale
         self.touched: set[int] = set()  # views autograd wrote in this micro-batch's backward
         self.replaced: set[int] = set()  # views autograd replaced by view + gradient instead
@@ -73,6 +108,9 @@ class GradViews:
             before, after = _hooks(weakref.ref(self), i)
             self.hooks.append(self.params[i].register_hook(before))
             self.hooks.append(self.params[i].register_post_accumulate_grad_hook(after))
+        for i in low:
+            hook = _fold_hook(weakref.ref(self), i)
+            self.hooks.append(self.params[i].register_post_accumulate_grad_hook(hook))
         self.install()
 
     def __del__(self) -> None:
@@ -98,7 +136,18 @@ class GradViews:
             core.apply(None, views, optimizer="none", grad_scale=factor, reset=False)
 
     def expect(self, weight: float) -> None:
-        """Before a backward: its gradients carry ``weight``."""
+        """Before a backward: its gradients carry ``weight``.
+
+        Raises:
+            ValueError: low-precision gradients of this micro-batch were already folded in with
+                another weight (nothing changed).
+        """
+        if self.folded and weight != self.cycle.early_weight:
+            raise ValueError(
+                f"weight={weight}, but with gradient_as_view the bf16/fp16 gradients of this "
+                f"micro-batch were already folded in with weight {self.cycle.early_weight} "
+                "during its backward; name the weight before the backward"
+            )
         if weight == 0.0:
             # Σ/0 does not exist: this backward writes fresh tensors, folded with weight 0.
             for i in self.index:
@@ -151,7 +200,7 @@ class GradViews:
         Raises:
             RuntimeError: it is (nothing changed: ``step()`` still counts the micro-batch).
         """
-        held = sorted(i for i in self.touched if self.holds(i))
+        held = sorted(i for i in self.touched if self.holds(i)) + sorted(self.folded)
         if held:
             raise RuntimeError(self.dropped_message(name(held[0])))
 
@@ -174,6 +223,7 @@ class GradViews:
 
     def done(self) -> None:
         """After ``step()``: the next backward writes into the views again."""
+        self.folded.clear()
         self.touched.clear()
         self.replaced.clear()
         self.install()
@@ -184,6 +234,7 @@ class GradViews:
         if views:
             core.zero(views)
         self.scale = 1.0
+        self.folded.clear()
         self.touched.clear()
         self.replaced.clear()
         self.install()
@@ -199,6 +250,7 @@ class GradViews:
         """After ``load_state_dict()`` wrote the accumulators: they hold weighted sums (scale
         1); a weight named before the load still holds for the coming backward."""
         self.scale = 1.0
+        self.folded.clear()
         if micro_step == 0:
             self.clear()
         if named_weight is not None:

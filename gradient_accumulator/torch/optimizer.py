@@ -98,7 +98,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             weight must then be known before its backward (the default 1, or
             ``accumulate(model, opt, weight=...)``) and ``.grad`` holds the cycle's running sum:
             see the semantics page for what that rules out. Needs ``reduction="mean"`` or
-            ``"sum"``; bf16/fp16 parameters keep the fold.
+            ``"sum"``; bf16/fp16 gradients are folded into fp32 by a hook as autograd makes them.
 
     On CUDA the accumulate, norm, clip and update run in the core's CUDA kernels on the current
     stream; micro-steps do not synchronise with the device, and each update reads one flag
@@ -301,9 +301,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         already weighted. ``step()`` then takes this weight.
         """
         weight = _validation.check_positive(weight, "weight", allow_zero=True)
-        self._loop.cycle.named_weight = weight
         if self._loop.views is not None:
             self._loop.views.expect(weight)
+        self._loop.cycle.named_weight = weight
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``).

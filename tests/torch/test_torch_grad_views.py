@@ -227,7 +227,8 @@ def test_checkpoint_mid_cycle_resumes_exactly():
 
 def test_bf16_parameters_keep_the_fold_beside_fp32_views():
     """A bf16 layer beside fp32 ones: only the fp32 parameters get views; the bf16 gradients are
-    folded into fp32 as before. Same result as the default mode (within 1e-6)."""
+    folded into fp32 during the backward (test_torch_grad_views_lowp.py). Same result as the
+    default mode (within 1e-6)."""
     out = []
     for view in (False, True):
         torch.manual_seed(0)
