@@ -178,11 +178,28 @@ class Loop:
                 if views is not None:
                     views.after_step(cycle.micro_step)
 
+    def refuse_in_flight(self, what: str) -> None:
+        """Refuse ``what`` between a backward whose gradients already went into the
+        accumulators (overlap_reduce, gradient_as_view) and the ``step()`` that counts them:
+        the accumulators then hold part of a micro-batch the counters do not know of.
+
+        Raises:
+            RuntimeError: nothing changed; ``step()`` counts the micro-batch, then ``what``.
+        """
+        views = self.views
+        if self.cycle.early or (views is not None and views.in_flight()):
+            raise RuntimeError(
+                f"{what} between a backward and its step(): that backward's gradients are "
+                "already in the accumulators (gradient_as_view or overlap_reduce), but not yet "
+                f"counted; call step() first, then {what}"
+            )
+
     def flush(self, hooks: StepHooks) -> bool:
         """Apply a partial cycle with its true weight (see the wrapper's ``flush``)."""
         self.update_applied = False
         if self.leftover == "carry":
             return False
+        self.refuse_in_flight("flush()")
         with held_interrupts:
             applied = False
             if self.cycle.micro_step > 0 or self.distributed:
@@ -246,6 +263,7 @@ class Loop:
 
     def save(self) -> dict[str, Any]:
         """The ``"accumulation"`` entry of the wrapper's state dict."""
+        self.refuse_in_flight("state_dict()")
         cycle = self.cycle
         saved = {"layout": self.layout, "accum_steps": cycle.accum_steps}
         saved.update(reduction=cycle.reduction, **cycle.state())

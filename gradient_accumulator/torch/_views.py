@@ -193,6 +193,10 @@ class GradViews:
             "count it, or use gradient_as_view=False to drop micro-batches after their backward"
         )
 
+    def in_flight(self) -> bool:
+        """Whether a backward has put gradients into the accumulators since the last step."""
+        return bool(self.folded) or any(self.holds(i) for i in self.touched)
+
     def check_drop(self, name: Callable[[int], str]) -> None:
         """``zero_grad()`` between a backward and its ``step()`` would drop a micro-batch whose
         gradient is already in the accumulators.

@@ -259,3 +259,41 @@ def test_double_backward_leaves_the_low_precision_fold_to_step():
             opt.zero_grad()
         out.append((model, opt))
     _assert_same(*out)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "fp32+bf16"])
+@pytest.mark.parametrize("call", ["flush", "state_dict"])
+def test_flush_or_save_between_a_backward_and_its_step_is_refused(mixed, call):
+    """The backward already put the micro-batch into the accumulators (views, folds) but the
+    counters do not know it yet: a flush would apply it half-counted (its weight missing for
+    fp32 views), a checkpoint would save it uncounted. Refused, nothing changed; after step()
+    the same call gives the default mode's result bit for bit."""
+    data = _data()
+    results = {}
+    for view in (False, True):
+        model, opt = _make(view, torch.bfloat16, mixed)
+        for x, y in data[:2]:
+            (model(x, True) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        x, y = data[2]
+        (model(x, True) - y).square().mean().backward()
+        if view:
+            before = [p.detach().clone() for p in model.parameters()]
+            accs = [a.clone() for a in opt.accumulators()]
+            position = opt.accumulation_state
+            with pytest.raises(RuntimeError, match=rf"{call}\(\) between a backward and its step"):
+                getattr(opt, call)()
+            assert opt.accumulation_state == position
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            if call == "flush":  # a flush would have touched these; a save touches nothing
+                assert all(torch.equal(a, b) for a, b in zip(accs, opt.accumulators()))
+        opt.step()
+        opt.zero_grad()
+        out = getattr(opt, call)()
+        saved = out["accumulation"]["accumulators"] if call == "state_dict" else None
+        results[view] = ([p.detach().clone() for p in model.parameters()], saved)
+    for a, b in zip(results[False][0], results[True][0]):
+        assert torch.equal(a, b)
+    if call == "state_dict":
+        assert torch.equal(results[False][1], results[True][1])
