@@ -147,6 +147,20 @@ class Cycle:
             return named
         return weight
 
+    def check_named_weight(self, weight: float) -> None:
+        """Refuse naming a weight other than the one gradients of the micro-step in flight
+        were already folded in with during its backward (:meth:`fold_one`).
+
+        Raises:
+            ValueError: it is another (nothing changed).
+        """
+        if self.early and weight != self.early_weight:
+            raise ValueError(
+                f"weight={weight}, but gradients of this micro-batch were already folded in "
+                f"with weight {self.early_weight} during its backward; name the weight once, "
+                "before the backward"
+            )
+
     def hook_weight(self) -> float:
         """The weight gradients folded in during a backward take (the named one, else 1)."""
         return self.named_weight if self.named_weight is not None else 1.0

@@ -133,6 +133,18 @@ class Loop:
                 "every group before wrapping, or wrap it again"
             )
 
+    def name_weight(self, weight: float) -> None:
+        """The coming micro-batch's weight, named before its backward (checked).
+
+        Raises:
+            ValueError: gradients of the micro-batch in flight were already folded in, or added
+                into the views, with another weight (nothing changed).
+        """
+        self.cycle.check_named_weight(weight)
+        if self.views is not None:
+            self.views.expect(weight)
+        self.cycle.named_weight = weight
+
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop the ``.grad`` tensors that are not views of the accumulators."""
         views = self.views

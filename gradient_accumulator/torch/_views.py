@@ -139,14 +139,15 @@ class GradViews:
         """Before a backward: its gradients carry ``weight``.
 
         Raises:
-            ValueError: low-precision gradients of this micro-batch were already folded in with
-                another weight (nothing changed).
+            ValueError: this micro-batch's backward already added gradients into the views with
+                another weight (nothing changed; its bf16/fp16 folds are checked by the cycle).
         """
-        if self.folded and weight != self.cycle.early_weight:
+        held = [i for i in self.touched if self.holds(i)]
+        if held and weight != self.scale:
             raise ValueError(
-                f"weight={weight}, but with gradient_as_view the bf16/fp16 gradients of this "
-                f"micro-batch were already folded in with weight {self.cycle.early_weight} "
-                "during its backward; name the weight before the backward"
+                f"weight={weight}, but with gradient_as_view this micro-batch's backward already "
+                f"added its gradients into the accumulators with weight {self.scale}; name the "
+                "weight once, before the backward"
             )
         if weight == 0.0:
             # Σ/0 does not exist: this backward writes fresh tensors, folded with weight 0.

@@ -300,10 +300,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         ``overlap_reduce`` the last micro-batch's buckets are reduced during its backward,
         already weighted. ``step()`` then takes this weight.
         """
-        weight = _validation.check_positive(weight, "weight", allow_zero=True)
-        if self._loop.views is not None:
-            self._loop.views.expect(weight)
-        self._loop.cycle.named_weight = weight
+        self._loop.name_weight(_validation.check_positive(weight, "weight", allow_zero=True))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``).

@@ -392,3 +392,51 @@ def test_a_new_wrapper_replaces_an_abandoned_wrappers_views():
             assert len(w._post_accumulate_grad_hooks or {}) == 1
         out.append(model)
     assert _max_rel(out[1], out[0]) < 1e-6
+
+
+def test_renaming_the_weight_after_the_backward_is_refused():
+    """A weight named again after the backward: the gradient autograd already added into the
+    views carries the first weight, while step() would count the second in the total (the mean
+    was off: Σ wᵢgᵢ over a total with the wrong weight). Refused, nothing changed; step() then
+    counts the micro-batch with its first weight, as the default mode does."""
+    data = _data()
+    results = {}
+    for view in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        opt = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), K, gradient_as_view=view
+        )
+        for j, (x, y) in enumerate(data[:K]):
+            opt.expect_weight(float(len(x)))
+            nn.functional.mse_loss(model(x, True), y).backward()
+            if view and j == 1:
+                accs = [a.clone() for a in opt.accumulators()]
+                with pytest.raises(ValueError, match="already added its gradients"):
+                    opt.expect_weight(float(len(x)) + 1.0)
+                assert all(torch.equal(a, b) for a, b in zip(accs, opt.accumulators()))
+                with pytest.raises(ValueError, match="already added its gradients"):
+                    opt.expect_weight(0.0)
+                assert all(p.grad is not None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        assert opt.accumulation_state.updates == 1
+        results[view] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(results[False], results[True]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_engine_refuses_naming_another_weight_after_an_early_fold():
+    """The engine's side of the same rule, for folds made during a backward (overlap_reduce's
+    hooks, gradient_as_view's bf16/fp16 hooks): the named weight must be the folded one."""
+    from gradient_accumulator._engine import Cycle
+
+    accs = [torch.zeros(3), torch.zeros(2)]
+    cycle = Cycle(accs, 2, "mean")
+    cycle.named_weight = 2.0
+    cycle.fold_one(0, torch.ones(3), cycle.hook_weight())
+    cycle.check_named_weight(2.0)  # the same weight again is fine
+    with pytest.raises(ValueError, match="already folded in with weight 2.0"):
+        cycle.check_named_weight(3.0)
+    assert cycle.total_weight == 2.0 and cycle.early_weight == 2.0
+    torch.testing.assert_close(accs[0], torch.full((3,), 2.0))
