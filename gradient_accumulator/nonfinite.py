@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from typing import Any
@@ -63,22 +62,36 @@ def check_on_nonfinite(value: Any, name: str = "on_nonfinite") -> str:
     return value
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Packages whose frames stand between a user's call and a warning: this one, and the frameworks
+# that call a wrapper on the user's behalf (a scheduler's patched step, accelerate's and
+# Lightning's optimizer proxies, Keras's fit loop).
+_CALLERS_SKIPPED = frozenset(
+    {
+        "gradient_accumulator",
+        "torch",
+        "accelerate",
+        "lightning",
+        "lightning_fabric",
+        "pytorch_lightning",
+        "transformers",
+        "keras",
+        "tensorflow",
+        "jax",
+        "optree",
+    }
+)
 
 
 def _outside_caller() -> int:
     """The ``warnings.warn`` stacklevel, for a warning issued by the caller of this function,
-    of the first frame outside this package and outside torch's context-manager decorators."""
+    of the first frame outside this package and the frameworks around it: the user's line."""
     frame, level = sys._getframe(2), 2
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        internal = path.startswith(_PACKAGE_DIR + os.sep) or path.endswith(
-            os.path.join("torch", "utils", "_contextlib.py")
-        )
-        if not internal:
+        module = frame.f_globals.get("__name__") or ""
+        if module.split(".")[0] not in _CALLERS_SKIPPED:
             return level
         frame, level = frame.f_back, level + 1
-    return level
+    return 1
 
 
 class NonFiniteCounter:
@@ -97,7 +110,7 @@ class NonFiniteCounter:
 
         Args:
             stacklevel: as for ``warnings.warn``; None points the warning at the first caller
-                outside this package (and outside torch's ``no_grad`` decorator).
+                outside this package and the frameworks around it (the user's line).
         """
         self.skipped += 1
         n = self.skipped

@@ -295,16 +295,19 @@ def test_unitwise_norm_output_is_one_dimensional(fake, units):
 
 def test_adaptive_clip_and_batch_norm_ops_ask_the_adapter(fake):
     adapter, binding = fake
-    m, m2 = FakeCudaTensor(2), FakeCudaTensor(2)
+    # Valid arguments (distinct buffers, matching sizes): a build with CUDA kernels validates
+    # them before it reaches the runtime, which then fails for want of a device.
+    rm, rv, m, m2 = (FakeCudaTensor(2) for _ in range(4))
     with pytest.raises(RuntimeError, match=FAILURE):
-        core.bn_update_running(m, m2, m, m2, 4.0, momentum=0.1, unbiased=True)
+        core.bn_update_running(rm, rv, m, m2, 4.0, momentum=0.1, unbiased=True)
     with pytest.raises(RuntimeError, match=FAILURE):
         core.bn_merge(4.0, m, m2, 4.0, FakeCudaTensor(2), FakeCudaTensor(2))
+    p, g = FakeCudaTensor(4), FakeCudaTensor(4)
     with pytest.raises(RuntimeError, match=FAILURE):
-        core.adaptive_clip([FakeCudaTensor(4)], [m2], eps=0.0)
+        core.adaptive_clip([p], [g], eps=0.0)
     names = [c[0] for c in binding.calls]
     assert names == ["bn_update_running", "bn_merge", "adaptive_clip"]
-    assert [c[3] for c in binding.calls] == [[m], [m], [m2]]
+    assert [c[3] for c in binding.calls] == [[rm], [m], [g]]
     assert all(c[2]["stream"] == STREAM for c in binding.calls)
     assert adapter.empties() == []
 

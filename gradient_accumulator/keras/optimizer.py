@@ -410,7 +410,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.on_nonfinite == "raise":
             self._nonfinite_counter.raise_error()
         for _ in range(new):
-            self._nonfinite_counter.record_skip(stacklevel=4)
+            self._nonfinite_counter.record_skip(stacklevel=None)  # at the user's call
         return new
 
     def _eager(self) -> bool:

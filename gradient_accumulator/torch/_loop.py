@@ -286,6 +286,7 @@ class Loop:
 
     def load(self, state_dict: dict[str, Any]) -> None:
         """Check everything, then load the inner optimizer's state and the accumulation."""
+        self.refuse_in_flight("load_state_dict()")
         cycle = self.cycle
         _params.check_saved(
             state_dict,

@@ -81,6 +81,7 @@ def test_skip_drops_the_cycle_and_warns_in_fit(path):
     caught = _fit(model, x, y)
     opt = model.optimizer
     assert len(caught) == 1 and "1 cycle skipped" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the user's fit() call, not a line of Keras
     assert opt.nonfinite_skipped == 1
     assert int(opt.iterations) == 3  # the inner optimizer stepped for the three clean cycles
     assert int(opt.optimizer.iterations) == 3
@@ -154,6 +155,9 @@ def test_eager_apply_warns_on_the_1st_2nd_4th_skip(path):
         if issubclass(w.category, NonFiniteGradientWarning)
     ]
     assert counts == ["1", "2", "4"]
+    assert {
+        w.filename for w in caught if issubclass(w.category, NonFiniteGradientWarning)
+    } == {__file__}
     assert opt.nonfinite_skipped == 5 and int(opt.iterations) == 0
     assert _max_diff(_weights(model), before) == 0.0
     # The next clean cycle updates normally: w ← w − 0.1·(1 + 1).

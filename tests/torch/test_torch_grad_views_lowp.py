@@ -297,3 +297,35 @@ def test_flush_or_save_between_a_backward_and_its_step_is_refused(mixed, call):
         assert torch.equal(a, b)
     if call == "state_dict":
         assert torch.equal(results[False][1], results[True][1])
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "fp32+bf16"])
+def test_load_state_dict_between_a_backward_and_its_step_is_refused(mixed):
+    """Loading a checkpoint in flight overwrote the accumulators holding the backward's folds
+    and views, then step() counted the micro-batch's weight with its gradient gone (and with
+    fp32 views the load stopped half-way: inner state and cycle loaded, counters not, step()
+    refused). Refused before anything is loaded; after step() the load restores the checkpoint."""
+    data = _data()
+    model, opt = _make(True, torch.bfloat16, mixed)
+    x, y = data[0]
+    (model(x, True) - y).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    with accumulate(model, opt, weight=2.0):
+        (model(*data[1][:1], True) - data[1][1]).square().mean().backward()
+    position = opt.accumulation_state
+    accs = [a.clone() for a in opt.accumulators()]
+    inner = copy.deepcopy(opt.optimizer.state_dict())
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) between a backward and its step"):
+        opt.load_state_dict(saved)
+    assert opt.accumulation_state == position
+    assert all(torch.equal(a, b) for a, b in zip(accs, opt.accumulators()))
+    assert str(opt.optimizer.state_dict()) == str(inner)
+    opt.step()
+    assert opt.accumulation_state.micro_step == 2
+    opt.load_state_dict(saved)
+    assert opt.accumulation_state == (1, 1.0, False, 0)
+    assert torch.equal(
+        opt.state_dict()["accumulation"]["accumulators"], saved["accumulation"]["accumulators"]
+    )

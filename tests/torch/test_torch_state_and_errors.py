@@ -478,3 +478,21 @@ def test_nonfinite_warning_points_at_the_users_step_and_flush_calls():
         assert not opt.flush()
     assert (flush_warning[0].filename, flush_warning[0].lineno) == (__file__, line)
     assert opt.accumulation_state.updates == 0 and opt.micro_step == 0
+
+
+def test_nonfinite_warning_names_the_users_line_through_a_scheduler():
+    """A scheduler attached to the wrapper patches its step(): the frames of torch's scheduler
+    stand between the user's call and the warning, which still names the user's line."""
+    import inspect
+
+    from gradient_accumulator import NonFiniteGradientWarning
+
+    model = nn.Linear(3, 1)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.warns(NonFiniteGradientWarning) as caught:
+        line = inspect.currentframe().f_lineno + 1
+        opt.step()
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
