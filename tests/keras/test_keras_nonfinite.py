@@ -155,9 +155,9 @@ def test_eager_apply_warns_on_the_1st_2nd_4th_skip(path):
         if issubclass(w.category, NonFiniteGradientWarning)
     ]
     assert counts == ["1", "2", "4"]
-    assert {
-        w.filename for w in caught if issubclass(w.category, NonFiniteGradientWarning)
-    } == {__file__}
+    assert {w.filename for w in caught if issubclass(w.category, NonFiniteGradientWarning)} == {
+        __file__
+    }
     assert opt.nonfinite_skipped == 5 and int(opt.iterations) == 0
     assert _max_diff(_weights(model), before) == 0.0
     # The next clean cycle updates normally: w ← w − 0.1·(1 + 1).
