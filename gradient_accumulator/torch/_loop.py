@@ -116,6 +116,11 @@ class Loop:
         self.update_applied = False
         self.last_grad_norm: Any = None
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (pickle, deepcopy) holds new parameter objects: the id-keyed index is rebuilt.
+        self.__dict__.update(state)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+
     @property
     def reducer(self) -> Any:
         """The bucket reducer of the reduction over ranks (None when not distributed)."""

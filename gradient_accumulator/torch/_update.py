@@ -65,6 +65,11 @@ class InnerUpdate:
         self.eps = eps
         self.kind = fused_kind(optimizer)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (pickle, deepcopy) holds new parameter objects: the id-keyed index is rebuilt.
+        self.__dict__.update(state)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+
     def __call__(self, index: list[int], scale: float, clip_coef: torch.Tensor | None) -> None:
         """Update the parameters ``index`` with accumulators × ``scale`` (× ``clip_coef``, a
         device scalar, for those outside AGC)."""

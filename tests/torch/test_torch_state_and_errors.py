@@ -496,3 +496,47 @@ def test_nonfinite_warning_names_the_users_line_through_a_scheduler():
         line = inspect.currentframe().f_lineno + 1
         opt.step()
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+
+
+@pytest.mark.parametrize("inner", ["sgd-momentum", "adamw", "rmsprop"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_wrapper_trains_like_the_original(inner, how):
+    """A deep copy or pickle round trip of model and wrapper, mid-cycle, goes on exactly as the
+    original (the fused update looked its parameters up by id(): the copy raised KeyError at
+    its first boundary)."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    make = {
+        "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.01),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    }[inner]
+    opt = GradientAccumulateOptimizer(make(model.parameters()), 3, max_grad_norm=1.0)
+    data = [(torch.randn(5, 4), torch.randn(5, 2)) for _ in range(8)]
+
+    def run(m, o, batches):
+        for x, y in batches:
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+
+    run(model, opt, data[:4])  # one update, then one micro-step into the second cycle
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    run(model, opt, data[4:])
+    run(model2, opt2, data[4:])
+    assert opt2.accumulation_state == opt.accumulation_state == (2, 2.0, False, 2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.optimizer.state_dict()["state"], opt2.optimizer.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        for name, v in s1[k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(s2[k][name])), (k, name)
+    for a, b in zip(opt.accumulators(), opt2.accumulators()):
+        assert torch.equal(a, b)
