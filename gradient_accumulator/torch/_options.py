@@ -11,7 +11,18 @@ from gradient_accumulator import _validation
 from gradient_accumulator._engine import REDUCTIONS
 from gradient_accumulator.nonfinite import check_on_nonfinite
 
-__all__ = ["HOOK_DICTS", "AccumulationState", "Options", "check_options", "inner_attribute"]
+__all__ = [
+    "HOOK_DICTS",
+    "LEFTOVERS",
+    "AccumulationState",
+    "Options",
+    "check_leftover",
+    "check_max_norm",
+    "check_options",
+    "check_policy",
+    "delegated",
+    "inner_attribute",
+]
 
 LEFTOVERS = ("apply", "carry")
 # The hook registries of torch.optim.Optimizer, which a wrapper not calling its __init__ needs.
@@ -100,6 +111,26 @@ def check_options(
         o["reduce_timeout"] = _validation.check_positive(o["reduce_timeout"], "reduce_timeout")
     o["overlap_reduce"] = bool(o["overlap_reduce"])
     return Options(**o)
+
+
+def check_max_norm(wrapper: Any, value: Any) -> float | None:
+    """A new ``max_grad_norm`` for ``wrapper``: None, or finite and > 0, and not beside AGC."""
+    if value is None:
+        return None
+    value = _validation.check_positive(value, "max_grad_norm")
+    if wrapper.use_agc:
+        raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
+    return value
+
+
+def check_leftover(wrapper: Any, value: Any) -> str:
+    """A new ``leftover`` for ``wrapper``: ``"apply"`` or ``"carry"``."""
+    return _validation.check_choice(value, "leftover", LEFTOVERS)
+
+
+def check_policy(wrapper: Any, value: Any) -> str:
+    """A new ``on_nonfinite`` for ``wrapper``: ``"skip"``, ``"raise"`` or ``"apply"``."""
+    return check_on_nonfinite(value)
 
 
 def inner_attribute(name: str) -> property:

@@ -19,7 +19,10 @@ from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
     HOOK_DICTS,
     AccumulationState,
+    check_leftover,
+    check_max_norm,
     check_options,
+    check_policy,
     delegated,
     inner_attribute,
 )
@@ -185,13 +188,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         "AGC's ε (floor of a unit's weight norm).",
         lambda self, v: _validation.check_positive(v, "eps", allow_zero=True),
     )
-    grad_scaler = delegated(
-        "_loop.scaler.scaler",
-        "The ``torch.amp.GradScaler`` the losses are scaled by (None: no loss scaling).",
-    )
-    max_grad_norm = delegated("_loop.max_grad_norm", "The global-norm clipping threshold.")
-    leftover = delegated("_loop.leftover", "What :meth:`flush` does with a partial cycle.")
-    on_nonfinite = delegated("_loop.on_nonfinite", "What a non-finite cycle does.")
+    grad_scaler = delegated("_loop.scaler.scaler", "The GradScaler of the losses, or None.")
+    max_grad_norm = delegated("_loop.max_grad_norm", "The clip threshold.", check_max_norm)
+    leftover = delegated("_loop.leftover", "flush()'s partial cycle: apply/carry.", check_leftover)
+    on_nonfinite = delegated("_loop.on_nonfinite", "What a non-finite cycle does.", check_policy)
     model = delegated("_loop.model", "The module the parameters come from, or None.")
     update_applied = delegated(
         "_loop.update_applied", "Whether the last step() or flush() updated the weights."

@@ -379,6 +379,8 @@ def test_accum_steps_assigned_after_construction_is_checked_and_governs_the_cycl
         ("use_agc", False, True),
         ("clip_factor", 0.01, 0.5),
         ("eps", 1e-3, 2.0),
+        ("max_grad_norm", None, 1.0),
+        ("max_grad_norm", 1.0, None),
     ],
 )
 def test_settings_changed_after_construction_take_effect(attr, before, after):
@@ -404,6 +406,55 @@ def test_settings_changed_after_construction_take_effect(attr, before, after):
 
     torch.testing.assert_close(run(before), run(after), rtol=0, atol=0)
     assert run(after).abs().max() > 0
+
+
+@pytest.mark.parametrize(
+    "attr, bad, error",
+    [
+        ("max_grad_norm", 0.0, ValueError),
+        ("max_grad_norm", float("nan"), ValueError),
+        ("max_grad_norm", "1.0", TypeError),
+        ("leftover", "drop", ValueError),
+        ("leftover", 1, TypeError),
+        ("on_nonfinite", "ignore", ValueError),
+        ("on_nonfinite", None, TypeError),
+        ("clip_factor", -1.0, ValueError),
+        ("eps", "small", TypeError),
+    ],
+)
+def test_bad_settings_assigned_mid_cycle_are_refused_and_lose_nothing(attr, bad, error):
+    """An assignment is checked like the constructor's argument, naming it (a bad max_grad_norm
+    used to be stored and to fail at the boundary, after the micro-batch was counted); the
+    cycle in progress then ends with the update of an untouched wrapper, bit for bit."""
+
+    def run(assign):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = GradientAccumulateOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), 2, max_grad_norm=1.0
+        )
+        for j in range(2):
+            model(torch.full((2, 3), j + 1.0)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if assign and j == 0:
+                before = getattr(opt, attr)
+                with pytest.raises(error, match=attr):
+                    setattr(opt, attr, bad)
+                assert getattr(opt, attr) == before
+        assert opt.update_applied
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_max_grad_norm_assigned_beside_agc_is_refused():
+    model = nn.Linear(3, 2)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, use_agc=True)
+    with pytest.raises(ValueError, match="exclusive"):
+        opt.max_grad_norm = 1.0
+    assert opt.max_grad_norm is None and opt.use_agc
 
 
 def test_reduction_changes_between_cycles_only():
