@@ -14,6 +14,7 @@ from gradient_accumulator.nonfinite import check_on_nonfinite
 __all__ = [
     "HOOK_DICTS",
     "LEFTOVERS",
+    "EXCLUSIVE_CLIPPING",
     "AccumulationState",
     "Options",
     "check_leftover",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 LEFTOVERS = ("apply", "carry")
+EXCLUSIVE_CLIPPING = "use_agc and max_grad_norm are exclusive: choose one clipping rule"
 # The hook registries of torch.optim.Optimizer, which a wrapper not calling its __init__ needs.
 HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -93,7 +95,7 @@ def check_options(
         o["max_grad_norm"] = _validation.check_positive(o["max_grad_norm"], "max_grad_norm")
     o["use_agc"] = _validation.check_bool(o["use_agc"], "use_agc")
     if o["use_agc"] and o["max_grad_norm"] is not None:
-        raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
+        raise ValueError(EXCLUSIVE_CLIPPING)
     o["clip_factor"], o["eps"] = _validation.check_agc_args(o["clip_factor"], o["eps"])
     o["on_nonfinite"] = check_on_nonfinite(o["on_nonfinite"])
     if model is not None and not isinstance(model, torch.nn.Module):
@@ -119,7 +121,7 @@ def check_max_norm(wrapper: Any, value: Any) -> float | None:
         return None
     value = _validation.check_positive(value, "max_grad_norm")
     if wrapper.use_agc:
-        raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
+        raise ValueError(EXCLUSIVE_CLIPPING)
     return value
 
 

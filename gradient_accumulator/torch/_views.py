@@ -142,7 +142,7 @@ class GradViews:
             ValueError: this micro-batch's backward already added gradients into the views with
                 another weight (nothing changed; its bf16/fp16 folds are checked by the cycle).
         """
-        held = [i for i in self.touched if self.holds(i)]
+        held = self.held()
         if held and weight != self.scale:
             raise ValueError(
                 f"weight={weight}, but with gradient_as_view this micro-batch's backward already "
@@ -177,7 +177,7 @@ class GradViews:
                     "it; use gradient_as_view=False for double backward (the accumulators are "
                     "as before this backward)"
                 )
-        held = sorted(i for i in self.touched if self.holds(i))
+        held = self.held()
         if held and weight != self.scale:
             raise ValueError(
                 f"weight={weight}, but with gradient_as_view the gradient of parameter "
@@ -194,9 +194,13 @@ class GradViews:
             "count it, or use gradient_as_view=False to drop micro-batches after their backward"
         )
 
+    def held(self) -> list[int]:
+        """The views this micro-batch's backward added into that still are ``.grad``, sorted."""
+        return sorted(i for i in self.touched if self.holds(i))
+
     def in_flight(self) -> bool:
         """Whether a backward has put gradients into the accumulators since the last step."""
-        return bool(self.folded) or any(self.holds(i) for i in self.touched)
+        return bool(self.folded or self.held())
 
     def check_drop(self, name: Callable[[int], str]) -> None:
         """``zero_grad()`` between a backward and its ``step()`` would drop a micro-batch whose
@@ -205,14 +209,14 @@ class GradViews:
         Raises:
             RuntimeError: it is (nothing changed: ``step()`` still counts the micro-batch).
         """
-        held = sorted(i for i in self.touched if self.holds(i)) + sorted(self.folded)
+        held = self.held() + sorted(self.folded)
         if held:
             raise RuntimeError(self.dropped_message(name(held[0])))
 
     def settle(self) -> list[int]:
         """At ``step()``: the parameters whose gradient autograd added into their accumulator,
         after which the accumulators hold the weighted sum again (scale 1)."""
-        held = sorted(i for i in self.touched if self.holds(i))
+        held = self.held()
         self._rescale(self.scale)
         self.scale = 1.0
         return held

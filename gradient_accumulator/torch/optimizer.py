@@ -17,6 +17,7 @@ from gradient_accumulator.torch import _params
 from gradient_accumulator.torch._guards import refuse_outer_accumulation
 from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
+    EXCLUSIVE_CLIPPING,
     HOOK_DICTS,
     AccumulationState,
     check_leftover,
@@ -232,7 +233,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def use_agc(self, value: bool) -> None:
         value = _validation.check_bool(value, "use_agc")
         if value and self.max_grad_norm is not None:
-            raise ValueError("use_agc and max_grad_norm are exclusive: choose one clipping rule")
+            raise ValueError(EXCLUSIVE_CLIPPING)
         loop = self._loop
         loop.update.agc_skip = (
             _params.agc_excluded(loop.params, loop.agc_exclude) if value else None
