@@ -327,3 +327,29 @@ def test_transformers_older_than_the_extra_allows_is_refused():
 )
 def test_the_transformers_under_test_is_the_one_ci_pinned():
     assert transformers.__version__ == os.environ["GA_TRANSFORMERS_VERSION"]
+
+
+class _ScalesTheLoss(transformers.Trainer):
+    """A Trainer whose training_step scales the loss in a way ours does not know of."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, self._prepare_inputs(inputs)) * 0.5
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+class _OursOverScaling(_InOrder, GradientAccumulationTrainer, _ScalesTheLoss):
+    pass
+
+
+def test_a_loss_scaled_by_the_trainer_is_refused_before_anything_is_accumulated(tmp_path):
+    trainer = _OursOverScaling(
+        model=_model(), args=_args(tmp_path), train_dataset=_Data(), data_collator=collate
+    )
+    before = _flat(trainer.model).clone()
+    with pytest.raises(RuntimeError, match=r"scaled the micro-batch's loss by 0\.5"):
+        trainer.train()
+    assert trainer.accumulator.micro_step == 0
+    assert trainer.accumulator.accumulation_state.updates == 0
+    assert torch.equal(_flat(trainer.model), before)
