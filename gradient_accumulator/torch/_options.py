@@ -3,6 +3,7 @@ of ``torch.optim.Optimizer``'s interface a wrapper that never calls its ``__init
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -71,6 +72,15 @@ class Options(NamedTuple):
     gradient_as_view: bool
 
 
+def needs_closure(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` requires its closure (``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def check_options(
     optimizer: Any, model: Any, grad_scaler: Any, wrapper_type: type, **kwargs: Any
 ) -> Options:
@@ -87,6 +97,14 @@ def check_options(
         )
     if isinstance(optimizer, wrapper_type):
         raise TypeError(f"optimizer is already a {wrapper_type.__name__}")
+    if needs_closure(optimizer):
+        raise TypeError(
+            f"optimizer {type(optimizer).__name__} needs a closure in step(): it re-evaluates "
+            "the loss and gradient several times per update (a line search), which an "
+            "accumulated gradient cannot provide (the closure would have to replay the whole "
+            "cycle). Use it without GradientAccumulateOptimizer, with a closure that sums the "
+            "micro-batches' weighted losses"
+        )
     o = dict(kwargs)
     o["accum_steps"] = _validation.check_accum_steps(o["accum_steps"])
     o["reduction"] = _validation.check_choice(o["reduction"], "reduction", REDUCTIONS)

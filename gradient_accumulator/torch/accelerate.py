@@ -1,10 +1,10 @@
-"""Hugging Face accelerate: ``prepare()`` that keeps the wrapper's accumulation API.
+"""Hugging Face accelerate: ``prepare()`` with the checks a plain ``accelerator.prepare()`` lacks.
 
-``accelerator.prepare()`` wraps every optimizer in an ``AcceleratedOptimizer`` whose ``step()``
-takes no weight and which hides ``flush()`` and ``update_applied``. Use this module's
-:func:`prepare` instead (same arguments, same results): the prepared optimizer then takes
-``step(weight=...)`` and forwards every attribute of the wrapper, and
-:func:`gradient_accumulator.torch.accumulate` accepts it::
+``accelerator.prepare(model, opt, sched, loader)`` hands a GradientAccumulateOptimizer back as
+it is (accelerate counts it as prepared), so ``step(weight=...)``, ``flush()``,
+``update_applied`` and ``micro_step`` work on what it returns, and the prepared scheduler —
+stepped on every micro-batch, as with accelerate's own accumulation — advances once per real
+update (it reads the wrapper's ``step_was_skipped``)::
 
     from accelerate import Accelerator
     from gradient_accumulator.torch import GradientAccumulateOptimizer, accumulate
@@ -22,63 +22,25 @@ takes no weight and which hides ``flush()`` and ``update_applied``. Use this mod
     if opt.flush():
         sched.step()
 
-``Accelerator(gradient_accumulation_steps=n)`` with ``n > 1`` would accumulate a second time: it
-is refused here, and ``GradientAccumulateOptimizer.step()`` refuses to run under it even after a
-plain ``accelerator.prepare()``. With ``mixed_precision="fp16"`` create the wrapper with
-``grad_scaler=accelerator.scaler``; the wrapper unscales and updates the scaler once per cycle.
+This module's :func:`prepare` is ``accelerator.prepare`` plus two refusals made before anything
+is prepared: ``Accelerator(gradient_accumulation_steps=n)`` with ``n > 1`` would accumulate a
+second time (``GradientAccumulateOptimizer.step()`` also refuses to run under it after a plain
+``accelerator.prepare()``), and with ``mixed_precision="fp16"`` the wrapper must be created with
+``grad_scaler=accelerator.scaler`` (it unscales and updates the scaler once per cycle), which a
+plain ``accelerator.prepare()`` cannot check.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["prepare"]
 
-_PREPARED_CLASS: dict[type, type] = {}
-
-
-def _prepared_class(base: type) -> type:
-    """A subclass of accelerate's optimizer wrapper that speaks the accumulation API."""
-    if base in _PREPARED_CLASS:
-        return _PREPARED_CLASS[base]
-
-    def step(self: Any, closure: Callable[[], Any] | None = None, *, weight: float = 1.0) -> Any:
-        # No scaler.step() here: the wrapper unscales its accumulated gradient once per cycle.
-        return self.optimizer.step(closure, weight=weight)
-
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
-
-    def getattr_(self: Any, name: str) -> Any:
-        inner = self.__dict__.get("optimizer")
-        if inner is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    def step_was_skipped(self: Any) -> bool:
-        # Read by accelerate's scheduler wrapper: it advances only after a real update.
-        return not self.optimizer.update_applied
-
-    step.__doc__ = GradientAccumulateOptimizer.step.__doc__
-    cls = type(
-        "Accumulating" + base.__name__,
-        (base,),
-        {
-            "step": step,
-            "zero_grad": zero_grad,
-            "__getattr__": getattr_,
-            "step_was_skipped": property(step_was_skipped),
-            "__doc__": "accelerate's optimizer wrapper around a GradientAccumulateOptimizer.",
-        },
-    )
-    _PREPARED_CLASS[base] = cls
-    return cls
-
 
 def prepare(accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
-    """``accelerator.prepare(*objects)``, keeping each GradientAccumulateOptimizer's API.
+    """``accelerator.prepare(*objects)`` after checking the accelerator suits the wrapper.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` with ``gradient_accumulation_steps=1``.
@@ -86,9 +48,8 @@ def prepare(accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
         **kwargs: passed to ``accelerator.prepare``.
 
     Returns:
-        What ``accelerator.prepare`` returns; each prepared GradientAccumulateOptimizer takes
-        ``step(weight=...)`` and forwards ``flush()``, ``update_applied``, ``micro_step`` and the
-        rest of the wrapper's attributes.
+        What ``accelerator.prepare`` returns: each GradientAccumulateOptimizer as it was given,
+        each scheduler wrapped so that it advances only after a real update.
 
     Raises:
         ValueError: if the accelerator accumulates gradients itself, or uses a loss scaler the
@@ -109,12 +70,4 @@ def prepare(accelerator: Any, *objects: Any, **kwargs: Any) -> Any:
                 "accelerator scales the loss (mixed_precision='fp16'): create the "
                 "GradientAccumulateOptimizer with grad_scaler=accelerator.scaler"
             )
-    result = accelerator.prepare(*objects, **kwargs)
-    prepared = result if isinstance(result, tuple) else (result,)
-    for obj in prepared:
-        inner = vars(obj).get("optimizer") if hasattr(obj, "__dict__") else None
-        if isinstance(inner, GradientAccumulateOptimizer) and not isinstance(
-            obj, GradientAccumulateOptimizer
-        ):
-            obj.__class__ = _prepared_class(type(obj))
-    return result
+    return accelerator.prepare(*objects, **kwargs)

@@ -126,6 +126,13 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if is_lightning_proxy(cls):
             install_lightning_forwarding(cls, GradientAccumulateOptimizer)
 
+    # accelerate's Accelerator.prepare() leaves an optimizer it counts as prepared as it is, so a
+    # plain accelerator.prepare(model, opt, sched) hands back this wrapper itself, with its
+    # step(weight=), flush(), update_applied and micro_step (an AcceleratedOptimizer would hide
+    # them), and the prepared scheduler reads step_was_skipped. A loss scaler is the wrapper's
+    # own (grad_scaler=accelerator.scaler), unscaled once per cycle.
+    _is_accelerate_prepared = True
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -256,6 +263,13 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def micro_step(self) -> int:
         """Micro-batches accumulated in the current cycle."""
         return self._loop.cycle.micro_step
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True unless the last ``step()`` or ``flush()`` applied an update (accelerate's
+        prepared scheduler reads it: stepped on every micro-batch, it advances once per
+        update)."""
+        return not self._loop.update_applied
 
     @property
     def accumulation_state(self) -> AccumulationState:

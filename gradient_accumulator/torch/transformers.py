@@ -19,6 +19,13 @@ The inner optimizer and scheduler are the Trainer's (``optim``, ``lr_scheduler_t
 ``warmup_steps``), or pass ``optimizers=(GradientAccumulateOptimizer(...), scheduler)`` with
 ``accum_steps == gradient_accumulation_steps``. ``max_grad_norm`` clips the accumulated gradient
 (the Trainer's own per-micro-batch clipping is off). Checkpoints hold the wrapper's full state.
+
+Supported: transformers 5.17 and later (the ``[integrations]`` extra). Before 5.19 the Trainer
+divides every micro-batch's loss by ``gradient_accumulation_steps`` unconditionally; from 5.19 a
+class flag (``loss_is_scaled_for_ga``) turns that off. Which of the two the installed Trainer does
+is read from the class at construction, and either way the loss reaches ``backward()``
+undivided: the first micro-batch checks it and raises ``RuntimeError`` if the Trainer scaled it
+in some other way, before anything is accumulated.
 """
 
 from __future__ import annotations
@@ -27,15 +34,67 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from gradient_accumulator.torch._options import HOOK_DICTS
 from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
 
-__all__ = ["GradientAccumulationTrainer", "target_tokens"]
+__all__ = ["GradientAccumulationTrainer", "is_causal_lm", "target_tokens"]
 
 IGNORE_INDEX = -100
+# The oldest transformers the integration is tested with (and the [integrations] extra allows).
+MIN_TRANSFORMERS = "5.17"
+
+
+def check_transformers_version(version: str) -> None:
+    """Refuse a transformers older than :data:`MIN_TRANSFORMERS` (``ImportError``)."""
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"GradientAccumulationTrainer needs transformers>={MIN_TRANSFORMERS}, found "
+            f"{version}: its Trainer loop differs (loss scaling, clipping hooks). Upgrade with "
+            f"pip install 'transformers>={MIN_TRANSFORMERS}' "
+            "(or pip install 'gradient-accumulator[integrations]')"
+        )
+
+
+def _base_model(model: Any) -> Any:
+    """The transformers model inside wrappers: DDP's ``module``, PEFT's base model."""
+    for _ in range(4):
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model``'s loss predicts ``labels[..., 1:]`` (a causal language model).
+
+    True for transformers' causal-LM classes and any subclass of one (``GPT2LMHeadModel``,
+    ``LlamaForCausalLM``, ...), and for any other decoder-only model whose forward uses the
+    causal-LM loss function (its ``loss_function`` set to it, or a ``loss_type`` naming it, as
+    ``loss_type="ForCausalLM"`` in the config does). False for encoder-decoder models, whose
+    labels are the decoder's targets as given.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    model = _base_model(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if any(cls.__name__ in causal for cls in type(model).__mro__):
+        return True
+    loss_fn = vars(model).get("_loss_function")  # set through model.loss_function = ...
+    if loss_fn is None:
+        loss_type = vars(model).get("loss_type") or getattr(config, "loss_type", None)
+        loss_fn = LOSS_MAPPING.get(loss_type) if isinstance(loss_type, str) else None
+    return loss_fn is ForCausalLMLoss
 
 
 def target_tokens(labels: torch.Tensor, shift: bool) -> int:
@@ -110,14 +169,18 @@ class GradientAccumulationTrainer(Trainer):
 
     Args:
         *args: ``Trainer``'s arguments.
-        shift_labels: whether the loss predicts ``labels[..., 1:]`` (default: True for the
-            causal language models of ``AutoModelForCausalLM``).
+        shift_labels: whether the loss predicts ``labels[..., 1:]`` (default:
+            :func:`is_causal_lm` of the model: its class or a base class is one of
+            transformers' causal language models, or its loss function is the causal-LM one).
         weight_fn: ``inputs -> weight`` of a micro-batch, instead of its target-token count
             (e.g. its number of samples for a per-sample mean loss).
         **kwargs: ``Trainer``'s keyword arguments.
 
     Attributes:
         accumulator: the :class:`GradientAccumulateOptimizer` (after ``create_optimizer``).
+
+    Raises:
+        ImportError: with a transformers older than 5.17.
     """
 
     def __init__(
@@ -127,16 +190,21 @@ class GradientAccumulationTrainer(Trainer):
         weight_fn: Callable[[dict[str, Any]], float] | None = None,
         **kwargs: Any,
     ) -> None:
+        check_transformers_version(transformers.__version__)
         super().__init__(*args, **kwargs)
         if shift_labels is None:
-            shift_labels = type(self.model).__name__ in set(
-                MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-            )
+            shift_labels = is_causal_lm(self.model)
         self.shift_labels = bool(shift_labels)
         self.weight_fn = weight_fn
         # Each micro-batch's loss is a mean over its own targets, never divided by the number of
-        # micro-batches: the wrapper forms the weighted mean.
-        self.loss_is_scaled_for_ga = True
+        # micro-batches: the wrapper forms the weighted mean. From transformers 5.19 a class flag
+        # says so; before it, training_step divides by current_gradient_accumulation_steps
+        # whenever no num_items_in_batch is passed, so that divisor is 1 during the step.
+        self._trainer_divides = not hasattr(Trainer, "loss_is_scaled_for_ga")
+        if not self._trainer_divides:
+            self.loss_is_scaled_for_ga = True
+        self._loss_checked = False
+        self._computed_loss: torch.Tensor | None = None
         self.accumulator: GradientAccumulateOptimizer | None = None
         self._trainer_step: _TrainerStep | None = None
 
@@ -184,18 +252,52 @@ class GradientAccumulationTrainer(Trainer):
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch, then fold it into the accumulators."""
         weight = self.micro_batch_weight(inputs)
-        # num_items_in_batch is not passed on: the loss stays this micro-batch's own token mean.
-        loss = super().training_step(model, inputs, None)
         step = self._trainer_step
         if step is None:
             raise RuntimeError("training_step() called before create_optimizer()")
+        cycle = getattr(self, "current_gradient_accumulation_steps", 1)
+        if self._trainer_divides:
+            self.current_gradient_accumulation_steps = 1
+        try:
+            # num_items_in_batch is not passed on: the loss stays this micro-batch's token mean.
+            loss = super().training_step(model, inputs, None)
+        finally:
+            self.current_gradient_accumulation_steps = cycle
+        if not self._loss_checked:
+            self._check_loss_unscaled(loss)
         if self.accelerator.sync_gradients:
             step.pending_weight = weight  # the Trainer's optimizer.step() folds it and updates
         else:
             step.wrapper.step(weight=weight)
             step.wrapper.zero_grad()
         # Logged loss: the Trainer sums the micro-batches' values.
-        return loss / self.current_gradient_accumulation_steps
+        return loss / cycle
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.compute_loss``, noting the loss for the first micro-batch's check."""
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        if not self._loss_checked:
+            loss = out[0] if isinstance(out, tuple) else out
+            self._computed_loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        return out
+
+    def _check_loss_unscaled(self, loss: torch.Tensor) -> None:
+        """The loss ``training_step`` backpropagated must be ``compute_loss``'s, unscaled."""
+        computed, self._computed_loss = self._computed_loss, None
+        if computed is None:
+            return  # compute_loss overridden without calling ours: nothing to compare
+        if computed.dim() > 0:
+            computed = computed.mean()  # the Trainer's multi-GPU (DataParallel) mean
+        if not torch.equal(loss.detach().to(computed.dtype), computed):
+            ratio = float(loss.detach()) / float(computed) if float(computed) else float("nan")
+            raise RuntimeError(
+                f"transformers {transformers.__version__}'s Trainer.training_step scaled the "
+                f"micro-batch's loss by {ratio:.6g} before backward(), which "
+                "GradientAccumulationTrainer does not know how to undo; nothing was accumulated. "
+                f"Supported: transformers>={MIN_TRANSFORMERS} with the Trainer's own "
+                "training_step and compute_loss"
+            )
+        self._loss_checked = True
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
         return None  # the wrapper clips the accumulated gradient (max_grad_norm)

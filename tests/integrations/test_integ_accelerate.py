@@ -1,4 +1,5 @@
-"""accelerate with the real library: prepare(), weights, flush, accumulate(), refusals."""
+"""accelerate with the real library: our prepare() and a plain accelerator.prepare(), weights,
+flush, accumulate(), scheduler counts, refusals."""
 
 from __future__ import annotations
 
@@ -135,18 +136,69 @@ def test_accumulation_by_accelerate_and_the_wrapper_is_refused():
         prepare(accelerator, model, opt)
     # A plain prepare() is refused at the first step, before anything is accumulated.
     model, popt = accelerator.prepare(model, opt)
+    assert popt is opt
     before = [p.detach().clone() for p in model.parameters()]
-    for i in range(4):
-        with accelerator.accumulate(model):
-            accelerator.backward(model(torch.ones(2, 6)).sum())
-            if i < 3:
-                popt.step()  # accelerate holds these back (sync_gradients is False)
-            else:
-                with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
-                    popt.step()
+    with accelerator.accumulate(model):
+        accelerator.backward(model(torch.ones(2, 6)).sum())
+        with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+            popt.step()
     assert opt.micro_step == 0 and opt.accumulation_state.updates == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(float(a.abs().max()) == 0 for a in opt.accumulators())
+
+
+def _plain_prepare():
+    """accelerate's documented loop with a plain accelerator.prepare(): the scheduler is stepped
+    on every micro-batch, the optimizer with each micro-batch's size."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = _model()
+    opt = GradientAccumulateOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), K, max_grad_norm=CLIP
+    )
+    sched = _sched(opt)
+    model, popt, psched = accelerator.prepare(model, opt, sched)
+    applied = 0
+    for i, (x, y) in enumerate(_micro_batches()):
+        with accumulate(model, popt, weight=len(x)):
+            accelerator.backward(F.mse_loss(model(x), y))
+        popt.step(weight=len(x))
+        popt.zero_grad()
+        psched.step()
+        applied += popt.update_applied
+        assert popt.micro_step == (i + 1) % K
+        assert sched.last_epoch == applied  # one scheduler step per update
+    assert popt.micro_step == 2
+    assert popt.flush()
+    assert popt.update_applied and popt.micro_step == 0
+    psched.step()
+    assert applied == UPDATES
+    assert opt.accumulation_state.updates == UPDATES + 1
+    assert sched.last_epoch == UPDATES + 1
+    return _flat(model)
+
+
+def test_plain_prepare_steps_the_scheduler_once_per_update_and_matches_the_big_batch():
+    ref = _big_batch()
+    ours = _plain_prepare()
+    scale = ref.abs().max().item()
+    print(f"plain prepare(): max|dw| {(ours - ref).abs().max().item():.3e}, max|w| {scale:.3f}")
+    assert (ours - ref).abs().max().item() <= 1e-5 * scale
+
+
+def test_plain_prepare_without_weights_counts_updates():
+    """The plain loop, unweighted: 8 micro-batches at accum_steps=4 are 2 scheduler steps."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = _model()
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, popt, psched = accelerator.prepare(model, opt, sched)
+    for _ in range(8):
+        accelerator.backward(model(torch.ones(2, 6)).sum())
+        popt.step()
+        popt.zero_grad()
+        psched.step()
+    assert sched.last_epoch == 2 and opt.accumulation_state.updates == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25, rel=1e-12)
 
 
 def test_plain_prepare_keeps_schedulers_on_the_live_groups():

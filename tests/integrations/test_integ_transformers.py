@@ -1,6 +1,12 @@
-"""Hugging Face Trainer with the real library: token-exact accumulation of a tiny GPT-2."""
+"""Hugging Face Trainer with the real library: token-exact accumulation of a tiny GPT-2.
+
+CI runs this file with the newest transformers the project pins and again with the oldest its
+``[integrations]`` extra allows (``GA_TRANSFORMERS_VERSION`` names the one expected).
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -8,13 +14,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gradient_accumulator.torch.transformers import (  # noqa: E402
+    MIN_TRANSFORMERS,
     GradientAccumulationTrainer,
+    check_transformers_version,
+    is_causal_lm,
     target_tokens,
 )
 
 K, B, N_SEQ, LR, WD, CLIP, WARMUP = 3, 2, 21, 3e-3, 0.01, 0.5, 3  # 11 micro-batches an epoch
 EPOCHS = 3  # 4 updates an epoch (3 full, 1 short), 12 in all
 VOCAB = 40
+SGD_LR = 0.5
 
 
 def _sequences():
@@ -46,9 +56,12 @@ def collate(items: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _model():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
+class MyLMHead(transformers.GPT2LMHeadModel):
+    """A user's subclass of a causal LM: its class name is in no transformers mapping."""
+
+
+def _config():
+    return transformers.GPT2Config(
         vocab_size=VOCAB,
         n_positions=32,
         n_embd=32,
@@ -60,7 +73,11 @@ def _model():
         bos_token_id=0,
         eos_token_id=0,
     )
-    return transformers.GPT2LMHeadModel(config)
+
+
+def _model(cls=None):
+    torch.manual_seed(0)
+    return (cls or transformers.GPT2LMHeadModel)(_config())
 
 
 def _args(tmp_path, **kw):
@@ -111,25 +128,35 @@ def _flat(model):
     return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
 
-def _token_exact_big_batch(total_updates: int):
-    """One AdamW update per cycle on the summed token losses / the cycle's target tokens."""
-    model = _model()
-    # The Trainer's grouping: no weight decay on biases and LayerNorm weights.
-    names = set(transformers.Trainer.get_decay_parameter_names(None, model))
-    decay = [p for n, p in model.named_parameters() if n in names]
-    no_decay = [p for n, p in model.named_parameters() if n not in names]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-    )
-    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, total_updates)
+def _token_exact_big_batch(total_updates: int, optim: str = "adamw", cls=None):
+    """One update per cycle on the summed token losses / the cycle's target tokens.
+
+    Returns the weights, the number of updates and the Trainer's ``training_loss`` for the same
+    run: the mean over updates of the mean of the cycle's micro-batch losses.
+    """
+    model = _model(cls)
+    if optim == "adamw":
+        # The Trainer's grouping: no weight decay on biases and LayerNorm weights.
+        names = set(transformers.Trainer.get_decay_parameter_names(None, model))
+        decay = [p for n, p in model.named_parameters() if n in names]
+        no_decay = [p for n, p in model.named_parameters() if n not in names]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=LR,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+        )
+        sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, total_updates)
+        clip = CLIP
+    else:  # plain SGD, constant learning rate, no clipping
+        opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        clip = None
     data = _Data()
     batches = [
         collate([data[j] for j in range(i, min(i + B, len(data)))]) for i in range(0, len(data), B)
     ]
-    updates = 0
+    updates, logged = 0, 0.0
     for _ in range(EPOCHS):
         for start in range(0, len(batches), K):
             cycle = batches[start : start + K]
@@ -137,33 +164,38 @@ def _token_exact_big_batch(total_updates: int):
             total = 0.0
             for b in cycle:
                 logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-                total = total + torch.nn.functional.cross_entropy(
+                summed = torch.nn.functional.cross_entropy(
                     logits[:, :-1].reshape(-1, VOCAB),
                     b["labels"][:, 1:].reshape(-1),
                     ignore_index=-100,
                     reduction="sum",
                 )
+                total = total + summed
+                logged += summed.item() / target_tokens(b["labels"], True) / len(cycle)
             (total / tokens).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
             sched.step()
             updates += 1
-    return _flat(model), updates
+    return _flat(model), updates, logged / updates
 
 
 def test_trainer_is_token_exact(tmp_path):
     ours = OursInOrder(
         model=_model(), args=_args(tmp_path), train_dataset=_Data(), data_collator=collate
     )
-    ours.train()
+    result = ours.train()
     updates = ours.state.global_step
     assert updates == EPOCHS * 4  # updates, not micro-batches
     assert ours.accumulator.accumulation_state.updates == updates
     assert ours.accumulator.micro_step == 0
     assert ours.lr_scheduler.last_epoch == updates
-    ref, ref_updates = _token_exact_big_batch(updates)
+    ref, ref_updates, ref_loss = _token_exact_big_batch(updates)
     assert ref_updates == updates
+    # The logged loss is the micro-batches' own means, neither divided by K nor by K².
+    assert result.training_loss == pytest.approx(ref_loss, rel=1e-5)
     w = _flat(ours.model)
 
     own = TrainerInOrder(
@@ -226,3 +258,98 @@ def test_bf16_model_accumulates_in_fp32_like_the_hand_loop(tmp_path):
     assert opt.flush()
     sched.step()
     assert torch.equal(_flat(ours.model), _flat(model))
+
+
+def test_subclass_of_a_causal_lm_is_token_exact(tmp_path):
+    """A subclass of GPT2LMHeadModel still shifts its labels when counting target tokens: plain
+    SGD through the Trainer lands on the token-exact big batch to float rounding."""
+    ours = OursInOrder(
+        model=_model(MyLMHead),
+        args=_args(
+            tmp_path,
+            optim="sgd",
+            learning_rate=SGD_LR,
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+        ),
+        train_dataset=_Data(),
+        data_collator=collate,
+    )
+    assert ours.shift_labels
+    ours.train()
+    ref, updates, _ = _token_exact_big_batch(ours.state.global_step, "sgd", MyLMHead)
+    assert updates == EPOCHS * 4
+    w = _flat(ours.model)
+    scale = ref.abs().max().item()
+    d = (w - ref).abs().max().item()
+    print(f"subclass, SGD: max|dw| from the token-exact big batch {d:.3e} (max|w| {scale:.3f})")
+    # Measured 1.2e-7 (one fp32 ulp of max|w| ≈ 1.01); counting unshifted labels: 5.2e-3.
+    assert d <= 1e-6 * scale
+
+
+def test_causal_lm_detection_reads_the_model_not_its_class_name():
+    assert is_causal_lm(_model()) and is_causal_lm(_model(MyLMHead))
+    assert not is_causal_lm(transformers.GPT2ForSequenceClassification(_config()))
+    assert not is_causal_lm(transformers.GPT2ForTokenClassification(_config()))
+    t5 = transformers.T5Config(
+        vocab_size=VOCAB, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2
+    )
+    # An encoder-decoder's labels are the decoder's targets as given (its loss does not shift).
+    assert not is_causal_lm(transformers.T5ForConditionalGeneration(t5))
+
+    class Custom(transformers.PreTrainedModel):
+        config_class = transformers.GPT2Config
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.lin = torch.nn.Linear(2, 2)
+
+    plain = Custom(_config())
+    assert not is_causal_lm(plain)  # no causal class, no causal loss function
+    plain.loss_function = transformers.loss.loss_utils.ForCausalLMLoss
+    assert is_causal_lm(plain)  # its forward would call the causal-LM loss
+    config = _config()
+    config.loss_type = "ForCausalLM"
+    assert is_causal_lm(Custom(config))
+
+
+def test_transformers_older_than_the_extra_allows_is_refused():
+    with pytest.raises(ImportError, match=r"transformers>=5\.17, found 5\.16\.1.*pip install"):
+        check_transformers_version("5.16.1")
+    check_transformers_version(MIN_TRANSFORMERS)
+    check_transformers_version(transformers.__version__)
+
+
+@pytest.mark.skipif(
+    "GA_TRANSFORMERS_VERSION" not in os.environ, reason="CI's pinned-version runs only"
+)
+def test_the_transformers_under_test_is_the_one_ci_pinned():
+    assert transformers.__version__ == os.environ["GA_TRANSFORMERS_VERSION"]
+
+
+class _ScalesTheLoss(transformers.Trainer):
+    """A Trainer whose training_step scales the loss in a way ours does not know of."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, self._prepare_inputs(inputs)) * 0.5
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+class _OursOverScaling(_InOrder, GradientAccumulationTrainer, _ScalesTheLoss):
+    pass
+
+
+def test_a_loss_scaled_by_the_trainer_is_refused_before_anything_is_accumulated(tmp_path):
+    trainer = _OursOverScaling(
+        model=_model(), args=_args(tmp_path), train_dataset=_Data(), data_collator=collate
+    )
+    before = _flat(trainer.model).clone()
+    with pytest.raises(RuntimeError, match=r"scaled the micro-batch's loss by 0\.5"):
+        trainer.train()
+    assert trainer.accumulator.micro_step == 0
+    assert trainer.accumulator.accumulation_state.updates == 0
+    assert torch.equal(_flat(trainer.model), before)
