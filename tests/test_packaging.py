@@ -155,6 +155,12 @@ OLDEST_NUMPY = {
 }
 
 
+def _clean_env() -> dict:
+    """This environment without what would make another venv see this one's packages."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONUSERBASE")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def _venv(path: pathlib.Path, python: str) -> pathlib.Path:
     """A plain virtual environment (no system site-packages); returns its bin folder."""
     subprocess.run([python, "-m", "venv", str(path)], check=True)
@@ -163,7 +169,7 @@ def _venv(path: pathlib.Path, python: str) -> pathlib.Path:
 
 def _pip(bindir: pathlib.Path, *args: str) -> None:
     pip = [str(bindir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, *args], check=True)
+    subprocess.run([*pip, *args], check=True, env=_clean_env())
 
 
 def _run_wheel_test_command(bindir: pathlib.Path, cwd: pathlib.Path) -> tuple[str, dict]:
@@ -171,8 +177,8 @@ def _run_wheel_test_command(bindir: pathlib.Path, cwd: pathlib.Path) -> tuple[st
     ``python`` first on PATH, from a folder outside the source tree (as cibuildwheel does)."""
     command = _cibuildwheel()["test-command"].replace("{project}", str(ROOT))
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
-    for variable in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-        env.pop(variable, None)
+    if bindir != pathlib.Path(sys.executable).parent:  # a clean venv: nothing from outside
+        env = dict(_clean_env(), PATH=env["PATH"])
     proc = subprocess.run(
         command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200
     )
@@ -184,9 +190,12 @@ def _run_wheel_test_command(bindir: pathlib.Path, cwd: pathlib.Path) -> tuple[st
 
 
 def _probe(bindir: pathlib.Path, code: str) -> str:
+    """What ``code`` prints in the venv, run from a folder of its own with a clean environment."""
+    env = _clean_env()
     return subprocess.run(
-        [str(bindir / "python"), "-c", code], check=True, capture_output=True, text=True
-    ).stdout.strip()
+        [str(bindir / "python"), "-c", code],
+        check=True, capture_output=True, text=True, cwd=bindir, env=env,
+    ).stdout.strip()  # fmt: skip
 
 
 @pytest.mark.slow
@@ -223,9 +232,12 @@ def test_wheel_test_command_passes_with_torch_installed(tmp_path):
 
 
 def _oldest_python() -> str:
-    """The oldest Python the package supports, where this machine has it (GA_OLDEST_PYTHON,
-    else python3.9 on PATH), else the running one."""
-    return os.environ.get("GA_OLDEST_PYTHON") or shutil.which("python3.9") or sys.executable
+    """The oldest Python the package supports, where this machine has one that runs
+    (GA_OLDEST_PYTHON, which .ci/run sets, else python3.9 on PATH), else the running one."""
+    for candidate in (os.environ.get("GA_OLDEST_PYTHON"), shutil.which("python3.9")):
+        if candidate and subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return candidate
+    return sys.executable
 
 
 @pytest.mark.slow
@@ -246,7 +258,7 @@ def test_oldest_numpy_and_python_pass_the_wheel_test(tmp_path):
         subprocess.run(
             [str(bindir / "python"), "-m", "pip", "wheel", "-q", "--no-deps", "-w",
              str(tmp_path / "dist"), str(sdist)],
-            check=True, env=dict(os.environ, GA_CUDA="OFF"),
+            check=True, env=dict(_clean_env(), GA_CUDA="OFF"),
         )  # fmt: skip
         wheel = next((tmp_path / "dist").glob("*.whl"))
     requires = [r for r in _cibuildwheel()["test-requires"] if not r.startswith("numpy")]
