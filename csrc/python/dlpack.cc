@@ -195,13 +195,17 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
           cap_obj = src.attr("__dlpack__")();  // a producer that predates max_version
         }
       } catch (py::error_already_set& e) {
-        if (!e.matches(PyExc_BufferError)) throw;
+        // numpy 1.23-2.0 refuse a read-only array with BufferError, numpy 1.22 with TypeError.
+        const bool buffer_error = e.matches(PyExc_BufferError);
+        if (!buffer_error && !e.matches(PyExc_TypeError)) throw;
         py::object alias = numpy_read_only_alias(src);
-        if (alias.is_none())
+        if (alias.is_none()) {
+          if (!buffer_error) throw;
           throw py::value_error(name +
                                 " cannot be exported through DLPack (read-only or not a plain "
                                 "array): " +
                                 std::string(e.what()));
+        }
         cap_obj = alias.attr("__dlpack__")();
         read_only = true;
       }
