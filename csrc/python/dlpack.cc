@@ -199,6 +199,11 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
         const bool buffer_error = e.matches(PyExc_BufferError);
         if (!buffer_error && !e.matches(PyExc_TypeError)) throw;
         py::object alias = numpy_read_only_alias(src);
+        const bool is_numpy = py::isinstance(src, py::module_::import("numpy").attr("ndarray"));
+        if (alias.is_none() && !buffer_error && is_numpy)  // numpy 1.22: e.g. a bool array
+          throw py::type_error(name + " has an unsupported dtype (numpy " +
+                               std::string(py::str(src.attr("dtype"))) +
+                               "); expected float32, float16, bfloat16 or float64");
         if (alias.is_none()) {
           if (!buffer_error) throw;
           throw py::value_error(name +
