@@ -17,7 +17,10 @@ import pathlib
 import shutil
 import subprocess
 
-# The API pages import gradient_accumulator.keras, hence Keras and its backend; keep TF quiet.
+# The API pages import gradient_accumulator.keras, hence Keras and its backend: JAX unless
+# KERAS_BACKEND says otherwise (requirements-docs.txt installs JAX, not TensorFlow); the
+# notebooks' kernels inherit it. Keep TF quiet where it is the backend.
+os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import gradient_accumulator  # noqa: E402

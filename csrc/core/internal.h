@@ -14,6 +14,22 @@
 
 #include "gradient_accumulator/gradient_accumulator.h"
 
+// MSVC (not clang-cl) has neither GCC's builtins nor, under its default /openmp (OpenMP 2.0), the
+// `omp simd` directive, which it rejects as an error (C3001). GA_MSVC_COMPAT selects the portable
+// code instead; defining it by hand compiles that code with any compiler (the packaging tests
+// build the core so with g++).
+#if defined(_MSC_VER) && !defined(__clang__) && !defined(GA_MSVC_COMPAT)
+#define GA_MSVC_COMPAT 1
+#endif
+
+// `#pragma omp simd <clauses>` where the compiler has it; nothing (the auto-vectorizer) there.
+#if defined(GA_MSVC_COMPAT)
+#define GA_OMP_SIMD(...)
+#else
+#define GA_PRAGMA_(text) _Pragma(#text)
+#define GA_OMP_SIMD(...) GA_PRAGMA_(omp simd __VA_ARGS__)
+#endif
+
 namespace ga {
 namespace detail {
 
@@ -68,16 +84,42 @@ inline int64_t raw_enum(const E& value) {
 }
 
 /// a·b and a + b for sizes and counts (both ≥ 0): fails naming `name` instead of wrapping.
+inline bool mul_overflows(int64_t a, int64_t b, int64_t* r) {
+#if defined(GA_MSVC_COMPAT)
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  if (a != 0 && b != 0) {
+    if (a > 0 ? (b > 0 ? a > kMax / b : b < kMin / a) : (b > 0 ? a < kMin / b : a < kMax / b))
+      return true;
+  }
+  *r = a * b;
+  return false;
+#else
+  return __builtin_mul_overflow(a, b, r);
+#endif
+}
+inline bool add_overflows(int64_t a, int64_t b, int64_t* r) {
+#if defined(GA_MSVC_COMPAT)
+  if (b > 0 ? a > std::numeric_limits<int64_t>::max() - b
+            : a < std::numeric_limits<int64_t>::min() - b)
+    return true;
+  *r = a + b;
+  return false;
+#else
+  return __builtin_add_overflow(a, b, r);
+#endif
+}
+
 inline int64_t checked_mul(int64_t a, int64_t b, const std::string& name) {
   int64_t r;
-  if (__builtin_mul_overflow(a, b, &r))
+  if (mul_overflows(a, b, &r))
     fail(kGaInvalidArgument, name,
          name + ": " + std::to_string(a) + " * " + std::to_string(b) + " overflows int64");
   return r;
 }
 inline int64_t checked_add(int64_t a, int64_t b, const std::string& name) {
   int64_t r;
-  if (__builtin_add_overflow(a, b, &r))
+  if (add_overflows(a, b, &r))
     fail(kGaInvalidArgument, name,
          name + ": " + std::to_string(a) + " + " + std::to_string(b) + " overflows int64");
   return r;

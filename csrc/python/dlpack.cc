@@ -2,6 +2,7 @@
 #include "dlpack.h"
 
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 
 namespace ga {
@@ -46,8 +47,9 @@ TensorRef from_dltensor(const DLTensor& t, const std::string& name, bool read_on
   ref.shape.assign(t.shape, t.shape + t.ndim);
   for (int64_t d : ref.shape) {
     if (d < 0) throw py::value_error(name + " has a negative dimension");
-    if (__builtin_mul_overflow(numel, d, &numel))
+    if (d != 0 && numel > std::numeric_limits<int64_t>::max() / d)
       throw py::value_error(name + ": its element count overflows int64");
+    numel *= d;
   }
   if (t.strides != nullptr && numel > 1) {
     int64_t expected = 1;
@@ -119,11 +121,28 @@ const char* immutable_framework(py::handle obj) {
   return nullptr;
 }
 
+/// numpy before 2.1 exports no read-only array through DLPack (its legacy capsule cannot say
+/// read-only). For such an array this returns a writable alias of the same memory, made from
+/// its __array_interface__ (the alias keeps the array alive); the caller marks the imported
+/// tensor read-only, so it is only ever read. None for anything else.
+py::object numpy_read_only_alias(const py::object& src) {
+  py::module_ np = py::module_::import("numpy");
+  if (!py::isinstance(src, np.attr("ndarray")) || py::bool_(src.attr("flags").attr("writeable")))
+    return py::none();
+  py::dict face(src.attr("__array_interface__"));
+  face["data"] = py::make_tuple(py::tuple(face["data"])[0], false);
+  py::object holder = py::module_::import("types").attr("SimpleNamespace")();
+  py::setattr(holder, "__array_interface__", face);
+  py::setattr(holder, "base", src);
+  return np.attr("asarray")(holder);
+}
+
 }  // namespace
 
 TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) {
   if (obj.is_none()) throw py::type_error(name + " is None; expected a tensor");
   py::object cap_obj;
+  bool read_only = false;  // a read-only numpy array imported through its alias
   if (PyCapsule_CheckExact(obj.ptr())) {
     cap_obj = py::reinterpret_borrow<py::object>(obj);
   } else {
@@ -176,19 +195,31 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
           cap_obj = src.attr("__dlpack__")();  // a producer that predates max_version
         }
       } catch (py::error_already_set& e) {
-        if (e.matches(PyExc_BufferError))
+        // numpy 1.23-2.0 refuse a read-only array with BufferError, numpy 1.22 with TypeError.
+        const bool buffer_error = e.matches(PyExc_BufferError);
+        if (!buffer_error && !e.matches(PyExc_TypeError)) throw;
+        py::object alias = numpy_read_only_alias(src);
+        const bool is_numpy = py::isinstance(src, py::module_::import("numpy").attr("ndarray"));
+        if (alias.is_none() && !buffer_error && is_numpy)  // numpy 1.22: e.g. a bool array
+          throw py::type_error(name + " has an unsupported dtype (numpy " +
+                               std::string(py::str(src.attr("dtype"))) +
+                               "); expected float32, float16, bfloat16 or float64");
+        if (alias.is_none()) {
+          if (!buffer_error) throw;
           throw py::value_error(name +
                                 " cannot be exported through DLPack (read-only or not a plain "
                                 "array): " +
                                 std::string(e.what()));
-        throw;
+        }
+        cap_obj = alias.attr("__dlpack__")();
+        read_only = true;
       }
     }
   }
   PyObject* cap = cap_obj.ptr();
   if (PyCapsule_IsValid(cap, "dltensor")) {
     auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
-    return from_dltensor(m->dl_tensor, name, false, writable, cap_obj);
+    return from_dltensor(m->dl_tensor, name, read_only, writable, cap_obj);
   }
   if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
     auto* m =
