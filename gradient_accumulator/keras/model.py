@@ -65,7 +65,9 @@ def _settings_of_original() -> tuple:
             break
         model = frame.f_locals.get("model")
         if "clone" in frame.f_code.co_name and isinstance(model, GradientAccumulateModel):
-            return tuple(getattr(model, name) for name in _SETTINGS)
+            # As in get_config: variables and layers named in agc_exclude are the original's,
+            # not the clone's; patterns carry over.
+            return tuple(model.get_config()[name] for name in _SETTINGS)
         frame = frame.f_back
     return _DEFAULTS
 
@@ -80,7 +82,9 @@ class GradientAccumulateModel(keras.Model):
     ``accum_steps`` times larger would give. Each batch is weighted by its number of samples,
     so a short last batch counts as much as it should; a cycle cut short by the end of an epoch
     is applied with its true weight before validation (``leftover="apply"``) or carried into the
-    next epoch (``leftover="carry"``). The model has exactly the weights of the wrapped one.
+    next epoch (``leftover="carry"``). The model has exactly the weights of the wrapped one;
+    ``keras.models.clone_model``, ``get_config``/``from_config`` and ``.keras`` files keep the
+    accumulation settings.
 
     Args:
         accum_steps: batches per update, an int ≥ 1.

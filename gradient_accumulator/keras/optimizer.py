@@ -143,11 +143,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     Args:
         optimizer: the inner optimizer: an instance, a name (``"SGD"``, ``"adam"``) or a config.
-            A ``LossScaleOptimizer`` is unwrapped and its scaling taken over.
+            A ``LossScaleOptimizer`` is unwrapped and its scaling taken over; so is the
+            scaling of a ``LossScaleOptimizer`` that wraps this wrapper (``compile`` adds one
+            under a ``"mixed_float16"`` policy): the loss is scaled once, the accumulated
+            gradient unscaled once per cycle.
         accum_steps: micro-batches per update, an int ≥ 1.
         reduction: ``"MEAN"`` (the weighted mean of the micro-batch gradients; exact for
             micro-batches of equal size, and for unequal ones under
-            :class:`GradientAccumulateModel`, which weights each by its number of samples),
+            :class:`GradientAccumulateModel`, which weights each by its number of samples, or
+            in a custom loop that passes ``apply(..., weight=batch_size)``),
             ``"SUM"`` (their plain sum) or ``"RUNNING_MEAN"`` (the accumulator always holds the
             mean so far: same result as MEAN, no growth of the accumulated values).
         name: the optimizer's name.
