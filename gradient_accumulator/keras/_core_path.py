@@ -20,6 +20,7 @@ import torch
 
 from gradient_accumulator import core
 from gradient_accumulator._engine import Cycle, grad_scale
+from gradient_accumulator.keras._compat import to_numpy
 
 
 class CycleVariables(NamedTuple):
@@ -290,8 +291,8 @@ class CorePath:
 
     def _fused_update(self, kind: str, groups: list[_Group], scale: float) -> None:
         inner = self.inner
-        lr = float(keras.ops.convert_to_numpy(inner.learning_rate))
-        step = int(keras.ops.convert_to_numpy(inner.iterations)) + 1
+        lr = float(to_numpy(inner.learning_rate))
+        step = int(to_numpy(inner.iterations)) + 1
         for group in groups:
             common = dict(
                 lr=lr, grad_scale=scale, weight_decay=group.weight_decay, **self._agc_args(group)

@@ -8,7 +8,7 @@ import keras
 from keras import ops
 
 from gradient_accumulator import _validation
-from gradient_accumulator.keras._compat import after, warn_deprecated
+from gradient_accumulator.keras._compat import after, to_numpy, warn_deprecated
 
 __all__ = ["AccumBatchNormalization"]
 
@@ -224,7 +224,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         Returns:
             True if micro-batches were pending.
         """
-        if not self.built or int(ops.convert_to_numpy(self.accum_step)) == 0:
+        if not self.built or int(to_numpy(self.accum_step)) == 0:
             return False
         momentum = self.momentum
         for moving, merged in (

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from gradient_accumulator import _validation
@@ -28,6 +30,48 @@ def _batch_size(data: Any) -> Any:
     return ops.cast(ops.shape(first)[0], "float32")
 
 
+def _is_graph_io(value: Any) -> bool:
+    """Whether ``value`` is a model's inputs or outputs (symbolic tensors, possibly nested)."""
+    if isinstance(value, (bool, int, np.integer)):
+        return False
+    leaves = keras.tree.flatten(value)
+    return bool(leaves) and all(isinstance(t, keras.KerasTensor) for t in leaves)
+
+
+_SETTINGS = (
+    "accum_steps",
+    "mixed_precision",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "experimental_distributed_support",
+    "leftover",
+    "agc_exclude",
+    "on_nonfinite",
+)
+_DEFAULTS = (1, False, False, 0.01, 1e-3, False, "apply", "final", "skip")
+
+
+def _settings_of_original() -> tuple:
+    """The accumulation settings of the model ``keras.models.clone_model`` is cloning.
+
+    Keras clones a functional model by calling its class with the new inputs and outputs only
+    (``cls(inputs, outputs, name=...)``); the model being cloned is a local of that call's
+    caller. Without one (any other positional call), the defaults.
+    """
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        model = frame.f_locals.get("model")
+        if "clone" in frame.f_code.co_name and isinstance(model, GradientAccumulateModel):
+            # As in get_config: variables and layers named in agc_exclude are the original's,
+            # not the clone's; patterns carry over.
+            return tuple(model.get_config()[name] for name in _SETTINGS)
+        frame = frame.f_back
+    return _DEFAULTS
+
+
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
 class GradientAccumulateModel(keras.Model):
     """A functional model that accumulates gradients over ``accum_steps`` batches per update.
@@ -38,7 +82,9 @@ class GradientAccumulateModel(keras.Model):
     ``accum_steps`` times larger would give. Each batch is weighted by its number of samples,
     so a short last batch counts as much as it should; a cycle cut short by the end of an epoch
     is applied with its true weight before validation (``leftover="apply"``) or carried into the
-    next epoch (``leftover="carry"``). The model has exactly the weights of the wrapped one.
+    next epoch (``leftover="carry"``). The model has exactly the weights of the wrapped one;
+    ``keras.models.clone_model``, ``get_config``/``from_config`` and ``.keras`` files keep the
+    accumulation settings.
 
     Args:
         accum_steps: batches per update, an int ≥ 1.
@@ -84,6 +130,21 @@ class GradientAccumulateModel(keras.Model):
         on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
+        if _is_graph_io(accum_steps):
+            # keras.Model's own signature, (inputs, outputs, ...), as Keras's cloning calls it.
+            (
+                kwargs["inputs"],
+                kwargs["outputs"],
+                accum_steps,
+                mixed_precision,
+                use_agc,
+                clip_factor,
+                eps,
+                experimental_distributed_support,
+                leftover,
+                agc_exclude,
+                on_nonfinite,
+            ) = (accum_steps, mixed_precision, *_settings_of_original())
         if "agc" in kwargs:  # the name 0.5's README used for use_agc
             warn_deprecated("GradientAccumulateModel(agc=...)", "use use_agc")
             use_agc = kwargs.pop("agc")
@@ -115,21 +176,27 @@ class GradientAccumulateModel(keras.Model):
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
         """``keras.Model.compile`` with ``optimizer`` wrapped for accumulation.
 
-        A :class:`GradientAccumulateOptimizer` is used as given (its ``accum_steps`` must match);
-        a ``LossScaleOptimizer`` is unwrapped and its scaling done per cycle.
+        A :class:`GradientAccumulateOptimizer` is used as given (its ``accum_steps`` must
+        match). A ``LossScaleOptimizer`` is unwrapped and its scaling done per cycle by the
+        accumulating optimizer, whichever of the two wraps the other; so is the loss scaling
+        Keras adds under a ``"mixed_float16"`` policy (``auto_scale_loss``).
         """
+        auto_scale = kwargs.get("auto_scale_loss", True)
+        mixed = self.mixed_precision or (auto_scale and self.dtype_policy.name == "mixed_float16")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
+            optimizer.inner_optimizer, GradientAccumulateOptimizer
+        ):
+            optimizer = optimizer.inner_optimizer  # which took the scaling over
         if isinstance(optimizer, GradientAccumulateOptimizer):
             if optimizer.accum_steps != self.accum_steps:
                 raise ValueError(
                     f"optimizer has accum_steps={optimizer.accum_steps} but the model "
                     f"accum_steps={self.accum_steps}"
                 )
+            if mixed:
+                optimizer._use_loss_scaling(optimizer.initial_scale, optimizer.dynamic_growth_steps)
             wrapped = optimizer
         else:
-            auto_scale = kwargs.get("auto_scale_loss", True)
-            mixed = self.mixed_precision or (
-                auto_scale and self.dtype_policy.name == "mixed_float16"
-            )
             wrapped = GradientAccumulateOptimizer(
                 optimizer,
                 accum_steps=self.accum_steps,

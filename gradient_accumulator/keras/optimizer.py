@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+import types
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,7 +23,7 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
-from gradient_accumulator.keras._compat import after, warn_deprecated
+from gradient_accumulator.keras._compat import after, to_numpy, warn_deprecated
 from gradient_accumulator.keras.agc import clip_one
 from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
 
@@ -119,7 +121,7 @@ def _traced(value: Any) -> bool:
 
 def _concrete(value: Any) -> np.ndarray | None:
     """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
-    return None if _traced(value) else np.asarray(ops.convert_to_numpy(value))
+    return None if _traced(value) else to_numpy(value)
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -141,11 +143,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     Args:
         optimizer: the inner optimizer: an instance, a name (``"SGD"``, ``"adam"``) or a config.
-            A ``LossScaleOptimizer`` is unwrapped and its scaling taken over.
+            A ``LossScaleOptimizer`` is unwrapped and its scaling taken over; so is the
+            scaling of a ``LossScaleOptimizer`` that wraps this wrapper (``compile`` adds one
+            under a ``"mixed_float16"`` policy): the loss is scaled once, the accumulated
+            gradient unscaled once per cycle.
         accum_steps: micro-batches per update, an int ≥ 1.
         reduction: ``"MEAN"`` (the weighted mean of the micro-batch gradients; exact for
             micro-batches of equal size, and for unequal ones under
-            :class:`GradientAccumulateModel`, which weights each by its number of samples),
+            :class:`GradientAccumulateModel`, which weights each by its number of samples, or
+            in a custom loop that passes ``apply(..., weight=batch_size)``),
             ``"SUM"`` (their plain sum) or ``"RUNNING_MEAN"`` (the accumulator always holds the
             mean so far: same result as MEAN, no growth of the accumulated values).
         name: the optimizer's name.
@@ -237,7 +243,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 )
             kwargs.pop(key, None)
         inner = _resolve_inner(optimizer)
-        if isinstance(inner, GradientAccumulateOptimizer):
+        if isinstance(inner, GradientAccumulateOptimizer) or isinstance(
+            getattr(inner, "inner_optimizer", None), GradientAccumulateOptimizer
+        ):
             raise TypeError("optimizer is already a GradientAccumulateOptimizer")
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
             mixed_precision = True
@@ -334,6 +342,83 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getter(name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "loss_scale_factor":
+            # Straight to the property (TensorFlow's attribute tracking skips an assignment of
+            # the value an attribute already has, None here).
+            type(self).loss_scale_factor.fset(self, value)
+            return
+        super().__setattr__(name, value)
+
+    @property
+    def loss_scale_factor(self) -> None:
+        """Always None: a static factor belongs to the inner optimizer (taken over at
+        construction), dynamic scaling to ``mixed_precision``."""
+        return None
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError(
+                "loss_scale_factor is not an argument of GradientAccumulateOptimizer: set it on "
+                "the inner optimizer"
+            )
+        # keras.optimizers.LossScaleOptimizer(inner) ends its constructor by setting its inner
+        # optimizer's loss_scale_factor to None; that is the one moment this wrapper learns it
+        # is wrapped (Keras's compile does it under a mixed_float16 policy).
+        # (The frames between are the attribute assignment's.)
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if (
+                isinstance(caller, keras.optimizers.LossScaleOptimizer)
+                and getattr(caller, "inner_optimizer", None) is self
+            ):
+                self._adopt_loss_scaler(caller)
+                break
+            frame = frame.f_back
+
+    def _use_loss_scaling(self, initial_scale: float, dynamic_growth_steps: int) -> None:
+        """Switch on ``mixed_precision`` with these settings (a no-op if it is on already:
+        the wrapper's own settings win)."""
+        if self.mixed_precision:
+            return
+        self.initial_scale = _validation.check_positive(float(initial_scale), "initial_scale")
+        self.dynamic_growth_steps = _validation.check_int(
+            int(dynamic_growth_steps), "dynamic_growth_steps"
+        )
+        self.mixed_precision = True
+        if self.built:
+            self._loss_scale.assign(self.initial_scale)
+            self._growth.assign(0)
+
+    def _adopt_loss_scaler(self, lso: Any) -> None:
+        """Make ``LossScaleOptimizer(self)`` scale per cycle through this wrapper.
+
+        Left as it is, Keras's loss scaler would unscale every micro-batch's gradient, drop
+        only the micro-batch that overflowed (the cycle would go on without it) and count its
+        growth in micro-steps; with this wrapper's own ``mixed_precision`` on as well, the
+        gradients would be unscaled twice. Instead the wrapper takes the loss scaling over
+        (with the scaler's ``initial_scale`` and ``dynamic_growth_steps`` unless
+        ``mixed_precision`` was set on the wrapper itself): the scaler's ``scale_loss``,
+        ``apply`` and ``stateless_apply`` hand over to the wrapper's, so the loss is scaled
+        once, the accumulated gradient unscaled once at the boundary, a non-finite micro-batch
+        drops its whole cycle and the scale grows after ``dynamic_growth_steps`` good updates.
+        The scaler's ``dynamic_scale`` and ``step_counter`` mirror the wrapper's loss scale and
+        growth counter after each step.
+        """
+        self._use_loss_scaling(lso.initial_scale, lso.dynamic_growth_steps)
+        # Instance attributes (not tracked by Keras, not saved): a config round trip rebuilds
+        # LossScaleOptimizer(wrapper), which adopts again.
+        for name, function in (
+            ("scale_loss", _adopted_scale_loss),
+            ("apply", _adopted_apply),
+            ("stateless_apply", _adopted_stateless_apply),
+        ):
+            vars(lso)[name] = types.MethodType(function, lso)
+
     def scale_loss(self, loss: Any) -> Any:
         """Multiply the loss by the current loss scale (and the inner static factor, if any)."""
         factor = 1.0 if self._static_scale is None else float(self._static_scale)
@@ -356,7 +441,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         Counts the drops made under ``on_nonfinite="skip"`` or ``"raise"``, not the loss
         scaler's skips under ``mixed_precision``.
         """
-        return int(ops.convert_to_numpy(self._skipped)) if self.built else 0
+        return int(to_numpy(self._skipped)) if self.built else 0
 
     def counter(self, name: str) -> Any:
         """One of the variables the cycle lives in, by name: ``"micro_step"``,
@@ -617,7 +702,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------------------- apply
 
-    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None = None,
+        weight: Any = None,
+    ) -> None:
         """Fold one micro-batch of gradients in; update through the inner optimizer at the boundary.
 
         Args:
@@ -626,7 +716,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 updated).
             trainable_variables: the variables; on the first call they build the optimizer.
                 Later calls may pass a subset of them: the others have no gradient this time.
+            weight: the micro-batch's weight in the cycle's mean (``reduction="MEAN"`` or
+                ``"RUNNING_MEAN"``), as the PyTorch wrapper's ``step(weight=...)``: its number
+                of samples when the loss is a per-batch mean, so that a short last batch counts
+                as much as it should. A number ≥ 0 or a scalar tensor. ``None``: the value in
+                ``counter("batch_weight")`` (1, or the batch size
+                :class:`GradientAccumulateModel` writes there before each step). A given weight
+                counts for this call only.
         """
+        if weight is not None:
+            weight = self._check_weight(weight)
         if trainable_variables is None:
             if not self.built:
                 raise ValueError("call build(trainable_variables) or pass trainable_variables")
@@ -647,6 +746,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             by_id = {id(v): g for g, v in zip(grads, trainable_variables)}
             trainable_variables = self._trainable_variables
             grads = [by_id.get(id(v)) for v in trainable_variables]
+        if weight is not None:
+            self._batch_weight.assign(weight)
         overwrite = self._overwrite_maxima(grads, self._micro_step, self._seen.value)
         core_path = _BACKEND == "torch" and not overwrite and self._core_enabled()
         if _BACKEND == "jax":
@@ -663,8 +764,28 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 write = ops.logical_and(boundary, ops.greater(seen[i], 0.0))
                 var.assign(ops.where(write, ops.cast(maximum, var.dtype), var))
                 acc.assign(maximum)
+        if weight is not None:
+            self._batch_weight.assign(1.0)
         if self._drops_nonfinite() and not core_path and self._eager():
             self.report_nonfinite()
+
+    def _check_weight(self, weight: Any) -> Any:
+        """A micro-batch weight, checked where it is concrete (ValueError/TypeError)."""
+        if self.reduction == "SUM":
+            raise ValueError(
+                'weight has no effect with reduction="SUM" (the plain sum of the gradients); '
+                'use reduction="MEAN" for a weighted mean'
+            )
+        if isinstance(weight, bool) or not (
+            isinstance(weight, (int, float, np.number)) or hasattr(weight, "shape")
+        ):
+            raise TypeError(f"weight must be a number or a scalar tensor, got {weight!r}")
+        if hasattr(weight, "shape") and tuple(weight.shape) not in ((), (1,)):
+            raise ValueError(f"weight must be a scalar, got shape {tuple(weight.shape)}")
+        concrete = _concrete(weight) if hasattr(weight, "shape") else np.asarray(weight)
+        if concrete is not None and not (np.isfinite(concrete).all() and (concrete >= 0).all()):
+            raise ValueError(f"weight must be finite and >= 0, got {float(concrete.ravel()[0])}")
+        return ops.reshape(ops.cast(weight, "float32"), ())
 
     def _overwrite_maxima(
         self, grads: Sequence[Any], micro_step: Any, seen: Any, accs: Sequence[Any] | None = None
@@ -701,10 +822,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             if seen[i] and getattr(v, "overwrite_with_gradient", False):
                 v.assign(ops.cast(self._accumulators[i].value, v.dtype))
 
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
-        """``apply`` on ``(gradient, variable)`` pairs; returns the micro-step counter."""
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None) -> Any:
+        """``apply`` on ``(gradient, variable)`` pairs (and the micro-batch's ``weight``);
+        returns the micro-step counter."""
         grads, variables = zip(*grads_and_vars)
-        self.apply(list(grads), list(variables))
+        self.apply(list(grads), list(variables), weight=weight)
         return self._iterations
 
     def _core(self) -> Any:
@@ -954,8 +1076,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 "GradientAccumulateOptimizer must be built before stateless_apply: call "
                 "build(trainable_variables)"
             )
-        optimizer_variables = list(optimizer_variables)
-        trainable_variables = list(trainable_variables)
+        # Values, not Variables (LossScaleOptimizer passes its inner optimizer's variables,
+        # inside a StatelessScope that maps them to values).
+        optimizer_variables = [_value(v) for v in optimizer_variables]
+        trainable_variables = [_value(v) for v in trainable_variables]
         n_own = len(self._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
@@ -1090,7 +1214,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def pending(self) -> int:
         """Micro-batches accumulated in the current, unfinished cycle."""
-        return int(ops.convert_to_numpy(self._micro_step)) if self.built else 0
+        return int(to_numpy(self._micro_step)) if self.built else 0
 
     def flush(self) -> bool:
         """Apply a cycle cut short (end of data) with its true weight, now.
@@ -1106,7 +1230,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             return False
         variables = self._trainable_variables
         # No current call: the seen flags alone say which variables had a gradient.
-        present = list(ops.convert_to_numpy(self._seen) > 0)
+        present = list(to_numpy(self._seen) > 0)
         overwrites = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
         if _BACKEND == "jax":
             optimizer_values = [v.value for v in self.variables]
@@ -1200,3 +1324,54 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 inner, custom_objects=custom_objects
             )
         return cls(**config)
+
+
+def _value(x: Any) -> Any:
+    return x.value if isinstance(x, keras.Variable) else x
+
+
+# LossScaleOptimizer(GradientAccumulateOptimizer) after adoption (see _adopt_loss_scaler):
+# ``self`` is the LossScaleOptimizer, its inner optimizer the wrapper that scales per cycle.
+
+
+def _adopted_scale_loss(self: Any, loss: Any) -> Any:
+    return self.inner_optimizer.scale_loss(loss)
+
+
+def _adopted_apply(
+    self: Any, grads: Any, trainable_variables: Any = None, weight: Any = None
+) -> None:
+    if not self.built:
+        with keras.name_scope(self.name, caller=self):
+            self.build(trainable_variables)
+        self.built = True
+    inner = self.inner_optimizer
+    inner.apply(grads, trainable_variables, weight=weight)
+    self.dynamic_scale.assign(inner.counter("loss_scale"))
+    self.step_counter.assign(inner.counter("growth"))
+
+
+def _adopted_stateless_apply(
+    self: Any, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Any
+) -> tuple[list[Any], list[Any]]:
+    if not self.built:
+        raise ValueError(
+            "LossScaleOptimizer must be built before stateless_apply: call "
+            "build(trainable_variables)"
+        )
+    inner = self.inner_optimizer
+    n_own = len(self._variables)
+    tv, new_inner = inner.stateless_apply(
+        list(optimizer_variables)[n_own:], grads, trainable_variables
+    )
+    new_inner = list(new_inner)
+    by_id = dict(zip([id(v) for v in inner.variables], new_inner))
+    mirrored = {
+        id(self.dynamic_scale): by_id[id(inner.counter("loss_scale"))],
+        id(self.step_counter): by_id[id(inner.counter("growth"))],
+    }
+    own = [
+        mirrored.get(id(v), value)
+        for v, value in zip(self._variables, list(optimizer_variables)[:n_own])
+    ]
+    return tv, own + new_inner

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 
 from gradient_accumulator import _validation
+from gradient_accumulator.keras._compat import to_numpy
 from gradient_accumulator.keras.layers import AccumBatchNormalization
 
 __all__ = ["replace_batchnorm_layers"]
@@ -72,7 +73,7 @@ def replace_batchnorm_layers(model: Any, accum_steps: int, position: str = "repl
             for name in _BN_WEIGHTS:
                 source, target = getattr(old, name, None), getattr(new, name, None)
                 if source is not None and target is not None:
-                    target.assign(keras.ops.convert_to_numpy(source))
+                    target.assign(to_numpy(source))
         elif old.weights:
             new.set_weights(old.get_weights())
     return new_model

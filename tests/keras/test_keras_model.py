@@ -260,3 +260,103 @@ def test_bad_arguments(kwargs, error, name):
     inputs, outputs = mlp()
     with pytest.raises(error, match=name):
         GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def _settings(model):
+    return {
+        name: getattr(model, name)
+        for name in ("accum_steps", "mixed_precision", "use_agc", "leftover", "on_nonfinite")
+    }
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_clone_model_keeps_the_accumulation(compiled):
+    """keras.models.clone_model calls the class with (inputs, outputs): the clone is a
+    GradientAccumulateModel with the original's settings, and trains like it."""
+    x, y = data(24)
+    inputs, outputs = mlp()
+    model = GradientAccumulateModel(
+        accum_steps=3, leftover="carry", on_nonfinite="raise", inputs=inputs, outputs=outputs
+    )
+    if compiled:
+        model.compile(_sgd(), loss="mse")
+    clone = keras.models.clone_model(model)
+    assert type(clone) is GradientAccumulateModel
+    assert _settings(clone) == _settings(model)
+    clone.set_weights(model.get_weights())
+    if not compiled:
+        model.compile(_sgd(), loss="mse")
+        clone.compile(_sgd(), loss="mse")
+    assert clone.optimizer is not model.optimizer and clone.optimizer.accum_steps == 3
+    for m in (model, clone):
+        m.fit(x, y, batch_size=4, shuffle=False, verbose=0)  # 6 batches, 2 cycles
+    assert int(clone.optimizer.iterations) == int(model.optimizer.iterations) == 2
+    np.testing.assert_allclose(flat(clone), flat(model), rtol=0, atol=1e-6)
+
+
+def test_config_round_trips_keep_the_settings(tmp_path):
+    inputs, outputs = mlp()
+    model = GradientAccumulateModel(
+        accum_steps=3, use_agc=True, leftover="carry", inputs=inputs, outputs=outputs
+    )
+    again = GradientAccumulateModel.from_config(model.get_config())
+    assert type(again) is GradientAccumulateModel and _settings(again) == _settings(model)
+    model.compile(_sgd(), loss="mse")
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is GradientAccumulateModel and _settings(loaded) == _settings(model)
+    np.testing.assert_array_equal(flat(loaded), flat(model))
+
+
+_WARNINGS_SCRIPT = """
+import numpy as np, keras
+from gradient_accumulator.keras import (
+    AccumBatchNormalization, FlushAccumulation, GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+)
+from gradient_accumulator.keras.callbacks import find_accumulator
+rng = np.random.default_rng(0)
+x = rng.normal(size=(14, 4)).astype("float32")
+y = rng.normal(size=(14, 2)).astype("float32")
+
+def head():
+    inputs = keras.Input((4,))
+    h = AccumBatchNormalization(accum_steps=2)(keras.layers.Dense(5)(inputs))
+    return inputs, keras.layers.Dense(2, dtype="float32")(h)
+
+for policy in ("float32", "mixed_float16"):
+    keras.config.set_dtype_policy(policy)
+    for inner in ("adam",):  # the torch core's fused Adam reads the learning rate
+        inputs, outputs = head()
+        model = GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
+        model.compile(inner, loss="mse")
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, validation_data=(x, y))
+        plain = keras.Model(*head())
+        plain.compile(GradientAccumulateOptimizer(inner, accum_steps=2), loss="mse")
+        plain.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[FlushAccumulation()])
+        find_accumulator(plain.optimizer).report_nonfinite()
+print("done")
+"""
+
+
+def test_no_deprecation_warning_with_warnings_as_errors(backend, tmp_path):
+    """Both wrappers' fit (flushes, batch norm, mixed precision, the torch core's Adam) under
+    ``python -W error::DeprecationWarning``: NumPy 2 warns when an ``__array__`` without the
+    ``copy`` keyword is used (keras.Variable's, tf.Variable's, torch.Tensor's)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "fit.py"
+    script.write_text(_WARNINGS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=root)
+    out = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]

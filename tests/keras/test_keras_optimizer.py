@@ -245,3 +245,137 @@ def test_mismatched_lists():
     opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), 2)
     with pytest.raises(ValueError, match="differ in length"):
         opt.apply([ops.ones(2), ops.ones(2)], [w])
+
+
+# --- Micro-batch weights (apply(weight=...)), against the big batch in float64. ---
+
+
+def _linear_problem(n=28, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6))
+    y = rng.normal(size=(n, 3))
+    w0 = rng.normal(size=(6, 3)) * 0.3
+    b0 = rng.normal(size=(3,)) * 0.1
+    return x, y, w0, b0
+
+
+def _mse_grads(x, y, w, b):
+    """Gradient of mean((xw + b − y)²) over the batch and the outputs, in float64."""
+    r = 2.0 * (x @ w + b - y) / y.size
+    return x.T @ r, r.sum(axis=0)
+
+
+def _sgd_fp64(x, y, w, b, lr, steps):
+    for _ in range(steps):
+        gw, gb = _mse_grads(x, y, w, b)
+        w, b = w - lr * gw, b - lr * gb
+    return w, b
+
+
+@pytest.mark.parametrize("use_core", PATHS)
+@pytest.mark.parametrize("call", ["apply", "apply_gradients"])
+def test_micro_batch_weight_makes_a_short_last_batch_exact(call, use_core):
+    """Micro-batches of 8, 8, 8 and 4 (per-batch mean gradients, weight = batch size): the
+    cycle's update is the big batch's of 28, in float64, over two cycles."""
+    x, y, w0, b0 = _linear_problem()
+    lr = 0.1
+    sizes = (8, 8, 8, 4)
+    results = {}
+    for weighted in (True, False):
+        w = keras.Variable(w0.astype("float32"))
+        b = keras.Variable(b0.astype("float32"))
+        opt = GradientAccumulateOptimizer(
+            keras.optimizers.SGD(lr), accum_steps=4, use_core=use_core
+        )
+        for _ in range(2):
+            start = 0
+            for size in sizes:
+                xs, ys = x[start : start + size], y[start : start + size]
+                start += size
+                gw, gb = _mse_grads(xs, ys, _np(w).astype(np.float64), _np(b).astype(np.float64))
+                grads = [ops.convert_to_tensor(g.astype("float32")) for g in (gw, gb)]
+                weight = size if weighted else None
+                if call == "apply":
+                    opt.apply(grads, [w, b], weight=weight)
+                else:
+                    opt.apply_gradients(zip(grads, [w, b]), weight=weight)
+        assert int(opt.iterations) == 2 and opt.pending() == 0
+        assert float(_np(opt.counter("batch_weight"))) == 1.0  # the weight counted once
+        results[weighted] = np.concatenate([_np(w).ravel(), _np(b).ravel()]).astype(np.float64)
+    ref_w, ref_b = _sgd_fp64(x, y, w0, b0, lr, 2)
+    ref = np.concatenate([ref_w.ravel(), ref_b.ravel()])
+    assert rel_diff(results[True], ref) <= 2e-6
+    assert rel_diff(results[False], ref) > 1e-4  # unweighted: each micro-batch counts 1/4
+
+
+def test_micro_batch_weight_in_a_compiled_step():
+    """The weight as a tensor argument of a custom step (compiled by tf.function on
+    TensorFlow)."""
+    x, y, w0, b0 = _linear_problem()
+    w = keras.Variable(w0.astype("float32"))
+    b = keras.Variable(b0.astype("float32"))
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
+    opt.build([w, b])
+
+    def step(gw, gb, weight):
+        opt.apply([gw, gb], [w, b], weight=weight)
+
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(step)
+    start = 0
+    for size in (8, 8, 8, 4):
+        xs, ys = x[start : start + size], y[start : start + size]
+        start += size
+        gw, gb = _mse_grads(xs, ys, w0, b0)
+        step(
+            ops.convert_to_tensor(gw.astype("float32")),
+            ops.convert_to_tensor(gb.astype("float32")),
+            ops.convert_to_tensor(np.float32(size)),
+        )
+    ref_w, ref_b = _sgd_fp64(x, y, w0, b0, 0.1, 1)
+    got = np.concatenate([_np(w).ravel(), _np(b).ravel()])
+    assert rel_diff(got, np.concatenate([ref_w.ravel(), ref_b.ravel()])) <= 2e-6
+
+
+@pytest.mark.parametrize(
+    "kwargs, weight, error, match",
+    [
+        ({}, -1.0, ValueError, "weight must be finite and >= 0"),
+        ({}, float("nan"), ValueError, "weight must be finite"),
+        ({}, "8", TypeError, "weight must be a number"),
+        ({}, True, TypeError, "weight must be a number"),
+        ({}, np.ones(2, "float32"), ValueError, "weight must be a scalar"),
+        ({"reduction": "SUM"}, 2.0, ValueError, "weight has no effect"),
+    ],
+)
+def test_bad_micro_batch_weight_changes_nothing(kwargs, weight, error, match):
+    w = keras.Variable(np.ones(2, "float32"))
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), 2, **kwargs)
+    opt.build([w])
+    before = [_np(v).copy() for v in opt.variables]
+    with pytest.raises(error, match=match):
+        opt.apply([ops.ones(2)], [w], weight=weight)
+    assert all(np.array_equal(_np(v), b) for v, b in zip(opt.variables, before))
+    assert opt.pending() == 0
+
+
+def test_model_wrapper_fit_short_last_batch_matches_float64_big_batch():
+    """GradientAccumulateModel in fit: batches 8, 8, 8, 4 per cycle (each weighted by its
+    size), two epochs = two big-batch SGD steps of 28, in float64."""
+    from gradient_accumulator.keras import GradientAccumulateModel
+
+    x, y, w0, b0 = _linear_problem()
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(inputs)
+    model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+    model.set_weights([w0.astype("float32"), b0.astype("float32")])
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(
+        x.astype("float32"), y.astype("float32"), batch_size=8, epochs=2, shuffle=False, verbose=0
+    )
+    ref_w, ref_b = _sgd_fp64(x, y, w0, b0, 0.1, 2)
+    got = np.concatenate([np.ravel(v) for v in model.get_weights()]).astype(np.float64)
+    assert int(model.optimizer.iterations) == 2
+    assert rel_diff(got, np.concatenate([ref_w.ravel(), ref_b.ravel()])) <= 2e-6
