@@ -14,9 +14,11 @@ warm-up epoch that compiles the step), and the figure is the median over repeats
 micro-batch. A second table times whole epochs of a digits-sized run (1,437 samples of 64
 features, an MLP 64 → 64 → 10, micro-batches of 32, k = 4: 45 batches, the last one short), where
 a fixed cost per batch (a read of the device's state after each step) shows: the ratio of each
-accumulation to Keras's built-in one, per epoch. Before timing, each accumulating run's weights
-after one epoch are compared with the built-in accumulation's (same data, Adam, same k): the
-cross-check column shows max|Δw| / max|w| (large for plain fit, which updates every batch).
+accumulation to Keras's built-in one, per epoch, in wall time and in the process's CPU time (all
+threads; steadier than wall time on a shared machine). Before timing, each accumulating run's
+weights after one epoch are compared with the built-in accumulation's (same data, Adam, same
+k): the cross-check column shows max|Δw| / max|w| (large for plain fit, which updates every
+batch).
 
 Usage:
     python benchmarks/keras_step.py                       # tensorflow, jax and torch
@@ -178,18 +180,23 @@ def per_epoch(args: argparse.Namespace, models: dict, keras, np) -> list[dict]:
     for _, model in models.values():  # warm-up: compiles the step
         fit(model)
     times: dict[str, list[float]] = {kind: [] for kind in models}
+    cpu: dict[str, list[float]] = {kind: [] for kind in models}
     for _ in range(args.epoch_repeats):
         for kind, (_, model) in models.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fit(model)
             times[kind].append(time.perf_counter() - t0)
+            cpu[kind].append(time.process_time() - c0)
     ref = statistics.median(times["builtin"])
+    ref_cpu = statistics.median(cpu["builtin"])
     return [
         dict(
             kind=kind,
             label=label,
             ms=1e3 * statistics.median(times[kind]),
             ratio=statistics.median(times[kind]) / ref,
+            cpu_ms=1e3 * statistics.median(cpu[kind]),
+            cpu_ratio=statistics.median(cpu[kind]) / ref_cpu,
         )
         for kind, (label, _) in models.items()
     ]
@@ -258,9 +265,14 @@ def main() -> int:
             f"per epoch ({args.epoch_samples:,} samples, MLP 64→64→10, batches of 32, "
             f"k={args.epoch_accum_steps})"
         )
-        print(f"{'implementation':42s} {'ms/epoch':>14s} {'÷ built-in':>10s}")
+        print(
+            f"{'implementation':42s} {'ms/epoch':>9s} {'÷ built-in':>10s} {'CPU ms':>9s} {'÷':>6s}"
+        )
         for r in res["epoch_rows"]:
-            print(f"{r['label']:42s} {r['ms']:14.2f} {r['ratio']:9.2f}x")
+            print(
+                f"{r['label']:42s} {r['ms']:9.2f} {r['ratio']:9.2f}x "
+                f"{r['cpu_ms']:9.2f} {r['cpu_ratio']:5.2f}x"
+            )
     print(
         "\n* = ours; 'vs ours' = time / GradientAccumulateOptimizer's time (> 1: ours faster); "
         "'÷ built-in' = epoch time / Keras's built-in accumulation's (< 1: ours faster)"
