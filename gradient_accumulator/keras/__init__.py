@@ -18,7 +18,7 @@ from gradient_accumulator.keras.callbacks import FlushAccumulation
 from gradient_accumulator.keras.layers import AccumBatchNormalization
 from gradient_accumulator.keras.model import GradientAccumulateModel
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
-from gradient_accumulator.keras.utils import replace_batchnorm_layers
+from gradient_accumulator.keras.utils import replace_batchnorm_layers, restore_batchnorm_layers
 
 __all__ = [
     "AccumBatchNormalization",
@@ -28,5 +28,6 @@ __all__ = [
     "adaptive_clip_grad",
     "compute_norm",
     "replace_batchnorm_layers",
+    "restore_batchnorm_layers",
     "unitwise_norm",
 ]

@@ -4,14 +4,17 @@ The cycle (first micro-step overwrites, weights, seen flags, a missing gradient,
 check, the boundary's scale) is ``gradient_accumulator._engine.Cycle``, the one the PyTorch
 adapter drives. This module translates Keras objects in: the wrapper's variables, which hold the
 cycle's position so that a checkpoint saves it, and the inner Keras optimizer, updated at the
-boundary by one fused ``core.apply`` per group of variables (``SGD`` without momentum, ``Adam``,
-``AdamW``: the core writes the optimizer's own variables, so its state stays that of a plain
-Keras optimizer) or, for any other optimizer, by its own ``apply`` on the final gradients.
+boundary by one fused ``core.apply`` per group of variables for ``SGD`` without momentum (the
+same arithmetic as Keras's) or, for any other optimizer, by its own ``apply`` on the final
+gradients that ``core.apply`` wrote into the accumulators. Adam and AdamW take that second way:
+the core's fused Adam follows PyTorch's formula (bias corrections in float64, fused moment
+updates, epsilon after the correction) and would round 1–2 ulp away from Keras's multi-tensor
+Adam on every update, where Keras's own update keeps the wrapper bit-identical to the plain
+optimizer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -62,7 +65,10 @@ class _Group(NamedTuple):
 
 
 def _fused_kind(inner: Any, variables: Sequence[Any], allowed: bool) -> str:
-    """Which fused core update reproduces the inner optimizer's own formula exactly, if any."""
+    """Which fused core update reproduces the inner optimizer's own formula bit for bit, if any.
+
+    Only plain SGD: the core's Adam/AdamW rounds differently from Keras's (see the module's
+    docstring), so they are left to the inner optimizer."""
     if not allowed or not type(inner).__module__.startswith("keras."):
         return "none"  # a user subclass may change update_step
     if any(x is not None for x in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm)):
@@ -72,9 +78,6 @@ def _fused_kind(inner: Any, variables: Sequence[Any], allowed: bool) -> str:
     if isinstance(inner, keras.optimizers.SGD) and not inner.momentum:
         # Plain SGD: decoupled weight decay equals L2 decay, which is the core's.
         return "sgd"
-    if isinstance(inner, keras.optimizers.Adam) and not inner.amsgrad:
-        # Keras Adam and AdamW both decay decoupled (AdamW's formula).
-        return "adamw"
     return "none"
 
 
@@ -115,7 +118,6 @@ class CorePath:
         self.report = report
         self.accs = [_value(a) for a in accumulators]
         self.params = [_value(v) for v in self.variables]
-        self.state1 = self.state2 = None
         self._plans: dict[tuple[str, bool], list[_Group]] = {}
         flag = None
         if self.accs and self.accs[0].is_cuda:
@@ -157,9 +159,6 @@ class CorePath:
                 )
                 for (agc, wd), index in buckets.items()
             ]
-            if kind == "adamw" and self.state1 is None:
-                self.state1 = [_value(m) for m in inner._momentums]
-                self.state2 = [_value(v) for v in inner._velocities]
         return self._plans[key]
 
     # ---- the cycle's position: the engine's, mirrored in the Keras variables ----
@@ -290,34 +289,19 @@ class CorePath:
         )
 
     def _fused_update(self, kind: str, groups: list[_Group], scale: float) -> None:
-        inner = self.inner
-        lr = float(to_numpy(inner.learning_rate))
-        step = int(to_numpy(inner.iterations)) + 1
+        """Plain SGD through ``core.apply`` (``kind`` is ``"sgd"``), then the step count."""
+        lr = float(to_numpy(self.inner.learning_rate))
         for group in groups:
-            common = dict(
-                lr=lr, grad_scale=scale, weight_decay=group.weight_decay, **self._agc_args(group)
+            core.apply(
+                [self.params[i] for i in group.index],
+                [self.accs[i] for i in group.index],
+                optimizer=kind,
+                lr=lr,
+                grad_scale=scale,
+                weight_decay=group.weight_decay,
+                **self._agc_args(group),
             )
-            params = [self.params[i] for i in group.index]
-            accs = [self.accs[i] for i in group.index]
-            if kind == "sgd":
-                core.apply(params, accs, optimizer="sgd", **common)
-            else:
-                beta1, beta2 = float(inner.beta_1), float(inner.beta_2)
-                # Keras adds epsilon to sqrt(v) before bias correction; the core (PyTorch's
-                # formula) after it: the same update with eps / sqrt(1 - beta2^t).
-                eps = float(inner.epsilon) / math.sqrt(1.0 - beta2**step)
-                core.apply(
-                    params,
-                    accs,
-                    optimizer="adamw",
-                    state1=[self.state1[i] for i in group.index],
-                    state2=[self.state2[i] for i in group.index],
-                    betas=(beta1, beta2),
-                    eps=eps,
-                    step=step,
-                    **common,
-                )
-        inner.iterations.assign_add(1)
+        self.inner.iterations.assign_add(1)
 
     def _generic_update(self, groups: list[_Group], scale: float) -> None:
         for group in groups:

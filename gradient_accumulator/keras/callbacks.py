@@ -1,7 +1,14 @@
-"""End-of-epoch handling of a cycle cut short by the end of the data."""
+"""End-of-epoch handling of a cycle cut short by the end of the data.
+
+``fit`` gets it by itself: importing this package hooks :class:`FlushAccumulation` into the
+callbacks of every model whose optimizer is (or wraps) a :class:`GradientAccumulateOptimizer`,
+plain ``keras.Model`` or :class:`GradientAccumulateModel` alike.
+"""
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import keras
@@ -23,59 +30,82 @@ def find_accumulator(optimizer: Any) -> GradientAccumulateOptimizer | None:
 class FlushAccumulation(keras.callbacks.Callback):
     """Applies the leftover micro-batches of each epoch (``leftover="apply"``) before validation.
 
-    :class:`GradientAccumulateModel` adds it to ``fit`` itself; add it by hand when a plain
-    ``keras.Model`` is compiled with a :class:`GradientAccumulateOptimizer`. With
-    ``leftover="carry"`` it does nothing and the cycle goes on into the next epoch.
+    ``fit`` adds it by itself to the callbacks of any model compiled with a
+    :class:`GradientAccumulateOptimizer` (a plain ``keras.Model`` or a
+    :class:`GradientAccumulateModel`), and runs it before the other callbacks; passing one in
+    ``callbacks=`` is harmless. With ``leftover="carry"`` it applies nothing and the cycle goes
+    on into the next epoch.
 
-    After every batch it also reports a cycle the compiled step dropped as non-finite
-    (``on_nonfinite``): a ``NonFiniteGradientWarning``, or ``NonFiniteGradientError`` out of
-    ``fit``.
+    It reads nothing from the device during the epoch, so ``fit`` keeps Keras's asynchronous
+    dispatch: at the end of the epoch (before validation, else at ``on_epoch_end``) it flushes
+    the optimizer and every :class:`AccumBatchNormalization` of the model, and reports the cycles
+    the compiled step dropped as non-finite (``on_nonfinite="skip"``: a
+    ``NonFiniteGradientWarning``). With ``on_nonfinite="raise"`` it checks before every batch
+    instead (one read of a counter per batch), so ``NonFiniteGradientError`` stops ``fit`` before
+    the step after the one that dropped the cycle.
 
     Example:
         >>> import numpy as np, keras
-        >>> from gradient_accumulator.keras import FlushAccumulation, GradientAccumulateOptimizer
+        >>> from gradient_accumulator.keras import GradientAccumulateOptimizer
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> model.compile(GradientAccumulateOptimizer("SGD", accum_steps=4), loss="mse")
         >>> x, y = np.ones((6, 2), "float32"), np.ones((6, 1), "float32")
-        >>> _ = model.fit(x, y, batch_size=1, verbose=0, callbacks=[FlushAccumulation()])
+        >>> _ = model.fit(x, y, batch_size=1, verbose=0)  # FlushAccumulation added by fit
         >>> int(model.optimizer.iterations)  # one full cycle, then 2 leftover micro-batches
         2
     """
 
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        """Report a dropped non-finite cycle; flush after the epoch's last batch, when the
-        number of batches is known."""
-        self._report_nonfinite()
-        steps = self.params.get("steps") if self.params else None
-        if steps and batch + 1 >= steps:
-            self._flush()
+    def __init__(self) -> None:
+        super().__init__()
+        self._training = False
 
-    def _report_nonfinite(self) -> None:
-        opt = find_accumulator(getattr(self.model, "optimizer", None))
-        if opt is None or not opt.built or not opt.drops_nonfinite:
-            return
-        state = getattr(self.model, "_jax_state", None)
-        if state and state.get("optimizer_variables") is not None:
-            # JAX fit keeps the current values in the trainer's state until it syncs them.
-            index = [id(v) for v in self.model.optimizer.variables].index(
-                id(opt.counter("skipped"))
-            )
-            opt.report_nonfinite(int(state["optimizer_variables"][index]))
-        else:
-            opt.report_nonfinite()
+    def on_train_begin(self, logs: Any = None) -> None:
+        """Note that ``fit`` runs (validation inside it flushes first)."""
+        self._training = True
+
+    def on_train_end(self, logs: Any = None) -> None:
+        """End of ``fit``."""
+        self._training = False
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        """With ``on_nonfinite="raise"``: raise for a cycle the previous step dropped."""
+        # ``_model``: Keras's ``model`` property syncs JAX's whole training state each time.
+        model = getattr(self, "_model", None)
+        opt = find_accumulator(getattr(model, "optimizer", None))
+        if opt is not None and opt.on_nonfinite == "raise":
+            self._report_nonfinite(model, opt)
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        """Validation inside ``fit``: the epoch's short cycle is applied first."""
+        if self._training:
+            self._end_of_epoch()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        """Flush at the end of an epoch of unknown length (no-op when nothing is pending)."""
-        self._flush()
+        """Flush the epoch's short cycle (no-op when validation did) and report drops."""
+        self._end_of_epoch()
 
-    def _flush(self) -> None:
+    def _end_of_epoch(self) -> None:
         opt = find_accumulator(getattr(self.model, "optimizer", None))
-        if opt is None or opt.leftover != "apply" or not opt.built:
+        if opt is None or not opt.built:
             return
         if keras.backend.backend() == "jax" and hasattr(self.model, "jax_state_sync"):
             self.model.jax_state_sync()
-        opt.flush()
-        flush_batchnorm(self.model)
+        if opt.leftover == "apply":
+            opt.flush()
+            flush_batchnorm(self.model)
+        opt.report_nonfinite()
+
+    @staticmethod
+    def _report_nonfinite(model: Any, opt: GradientAccumulateOptimizer) -> None:
+        if not opt.built or not opt.drops_nonfinite:
+            return
+        state = getattr(model, "_jax_state", None)
+        if state and state.get("optimizer_variables") is not None:
+            # JAX fit keeps the current values in the trainer's state until it syncs them.
+            index = [id(v) for v in model.optimizer.variables].index(id(opt.counter("skipped")))
+            opt.report_nonfinite(int(state["optimizer_variables"][index]))
+        else:
+            opt.report_nonfinite()
 
 
 def flush_batchnorm(model: Any) -> int:
@@ -90,3 +120,49 @@ def flush_batchnorm(model: Any) -> int:
     return sum(
         bool(layer.flush()) for layer in layers if isinstance(layer, AccumBatchNormalization)
     )
+
+
+def _with_flush(callbacks: Any, model: Any) -> None:
+    """Put a FlushAccumulation first in ``callbacks`` (a CallbackList) when ``model``'s
+    optimizer accumulates: its epoch-end flush must come before the other callbacks see the
+    epoch's weights (a checkpoint, an early stop)."""
+    if find_accumulator(getattr(model, "optimizer", None)) is None:
+        return
+    found = [c for c in callbacks.callbacks if isinstance(c, FlushAccumulation)]
+    flush = found[0] if found else FlushAccumulation()
+    callbacks.callbacks = [flush] + [c for c in callbacks.callbacks if c is not flush]
+    if not found:
+        flush.set_model(model)
+        if getattr(callbacks, "params", None):
+            flush.set_params(callbacks.params)
+
+
+def _install_fit_hook() -> None:
+    """Wrap ``keras.callbacks.CallbackList.set_model``, which every ``fit`` calls with its
+    model, so that the flush needs no callback from the user. FlushAccumulation overrides no
+    batch-end method, so adding it after the list chose its asynchronous dispatch changes
+    nothing there."""
+    cls = keras.callbacks.CallbackList
+    original = getattr(cls, "set_model", None)
+    if original is None or getattr(original, "_flush_hook", False):
+        if original is None:  # pragma: no cover - a Keras without CallbackList.set_model
+            warnings.warn(
+                "gradient_accumulator: this Keras version's CallbackList has no set_model; "
+                "add FlushAccumulation() to fit's callbacks to apply an epoch's short last "
+                "cycle",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return
+
+    @functools.wraps(original)
+    def set_model(self: Any, model: Any) -> None:
+        original(self, model)
+        if model is not None and isinstance(getattr(self, "callbacks", None), list):
+            _with_flush(self, model)
+
+    set_model._flush_hook = True  # type: ignore[attr-defined]
+    cls.set_model = set_model
+
+
+_install_fit_hook()

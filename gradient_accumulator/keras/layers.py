@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from gradient_accumulator import _validation
@@ -26,12 +27,19 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     ``training=None`` and ``trainable=False`` behave as in ``BatchNormalization``, and the first
     four weights (gamma, beta, moving mean, moving variance) are the same.
 
+    Weights transfer both ways: ``set_weights`` takes a ``BatchNormalization``'s weights (its
+    ``get_weights()``, 4 arrays, or 2–3 without ``center``/``scale``) as well as this layer's
+    own (8 arrays, the 4 cycle weights after them); :meth:`to_batchnorm` gives back a plain
+    ``BatchNormalization`` with the same config and weights, for export or inference
+    (:func:`~gradient_accumulator.keras.restore_batchnorm_layers` does it for a whole model).
+
     Args:
         accum_steps: micro-batches per moving-statistics update (the model's ``accum_steps``).
         momentum: momentum of the moving average (Keras convention).
         epsilon: added to the variance.
         trainable: whether gamma and beta train and statistics update.
-        axis: the channel axis (any axis of an input of rank ≥ 2).
+        axis: the channel axis (any axis of an input of rank ≥ 2): an int, or a list or
+            tuple of one int.
         center: learn an offset beta.
         scale: learn a scale gamma.
         **kwargs: other ``BatchNormalization`` arguments (initializers, regularizers,
@@ -69,6 +77,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             if len(axis) != 1:
                 raise ValueError(f"axis must be a single axis, got {axis!r}")
             axis = axis[0]
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"axis must be an int, got {type(axis).__name__} {axis!r}")
         super().__init__(
             axis=axis,
             momentum=momentum,
@@ -84,6 +94,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         """Create BatchNormalization's weights, then the accumulated moments."""
         if len(input_shape) < 2:
             raise ValueError(f"inputs must have rank >= 2, got shape {tuple(input_shape)}")
+        self._check_axis(len(input_shape))
         super().build(input_shape)
         shape = (input_shape[self.axis],)
 
@@ -155,8 +166,17 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         return ops.cast(outputs, self.compute_dtype)
 
+    def _check_axis(self, rank: int) -> None:
+        """Refuse an ``axis`` that an input of ``rank`` does not have."""
+        if not -rank <= self.axis < rank:
+            raise ValueError(
+                f"axis={self.axis} is out of range for inputs of rank {rank} "
+                f"(valid: {-rank} to {rank - 1})"
+            )
+
     def _axes_of(self, rank: int) -> list[int]:
         """Every axis but the channel axis, for an input of ``rank``."""
+        self._check_axis(rank)
         channel = self.axis % rank
         return [a for a in range(rank) if a != channel]
 
@@ -235,6 +255,82 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             moving.assign(ops.cast(value, moving.dtype))
         self.accum_step.assign(0)
         return True
+
+    def _batchnorm_weights(self) -> list[Any]:
+        """The weights a ``BatchNormalization`` of this config has, in its order."""
+        cycle = {id(w) for w in (self.accum_mean, self.accum_variance, self.accum_count)}
+        cycle.add(id(self.accum_step))
+        return [w for w in self.weights if id(w) not in cycle]
+
+    def set_weights(self, weights: Any) -> None:
+        """Set this layer's weights, or a ``BatchNormalization``'s.
+
+        Args:
+            weights: this layer's ``get_weights()`` (gamma, beta, moving mean and variance,
+                then the cycle's merged moments and counters), or the 2–4 weights of a
+                ``BatchNormalization`` with the same ``center``/``scale``: those are set and
+                the cycle starts afresh (nothing pending).
+
+        Raises:
+            ValueError: ``weights`` has another length, or an array another shape; nothing
+                is set then.
+        """
+        weights = list(weights)
+        if not self.built or len(weights) == len(self.weights):
+            super().set_weights(weights)
+            return
+        targets = self._batchnorm_weights()
+        if len(weights) != len(targets):
+            raise ValueError(
+                f"weights must hold this layer's {len(self.weights)} weights or a "
+                f"BatchNormalization's {len(targets)} (gamma, beta, moving_mean, moving_variance "
+                f"as center={self.center}, scale={self.scale} give), got {len(weights)}"
+            )
+        for target, value in zip(targets, weights):
+            if tuple(target.shape) != tuple(np.shape(value)):
+                raise ValueError(
+                    f"weights: {target.name} has shape {tuple(target.shape)}, got "
+                    f"{tuple(np.shape(value))}"
+                )
+        for target, value in zip(targets, weights):
+            target.assign(value)
+        self._reset_accum()
+
+    def to_batchnorm(self) -> Any:
+        """A plain ``keras.layers.BatchNormalization`` with this layer's config and weights.
+
+        For export and inference: the new layer normalises as this one does in inference, and
+        trains as a ``BatchNormalization`` would. Micro-batches of an unfinished cycle are not
+        in the moving statistics; call :meth:`flush` first to include them.
+
+        Returns:
+            A new layer (built, with copies of gamma, beta and the moving statistics, and this
+            layer's name) if this one is built; an unbuilt one otherwise.
+
+        Example:
+            >>> import numpy as np
+            >>> from gradient_accumulator.keras import AccumBatchNormalization
+            >>> bn = AccumBatchNormalization(accum_steps=4)
+            >>> _ = bn(np.ones((2, 3), "float32"))
+            >>> plain = bn.to_batchnorm()
+            >>> type(plain).__name__, len(plain.get_weights()), len(bn.get_weights())
+            ('BatchNormalization', 4, 8)
+        """
+        config = self.get_config()
+        config.pop("accum_steps")
+        layer = keras.layers.BatchNormalization.from_config(config)
+        if self.built:
+            layer.build(self._build_shapes_dict.get("input_shape") or self._shape_for_build())
+            layer.set_weights([keras.ops.convert_to_numpy(w) for w in self._batchnorm_weights()])
+        return layer
+
+    def _shape_for_build(self) -> tuple:
+        """An input shape with this layer's channel count on its axis (rank 2 or more)."""
+        channels = int(self.moving_mean.shape[0])
+        rank = max(2, self.axis + 1 if self.axis >= 0 else -self.axis)
+        shape = [None] * rank
+        shape[self.axis] = channels
+        return tuple(shape)
 
     def get_config(self) -> dict[str, Any]:
         """``BatchNormalization``'s config plus ``accum_steps``."""

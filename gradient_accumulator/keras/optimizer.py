@@ -136,8 +136,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     Accumulators and counters are optimizer variables: they are saved with the model, so a run
     saved in the middle of a cycle resumes exactly.
 
-    On the PyTorch backend the accumulate and, for ``SGD`` (no momentum), ``Adam`` and ``AdamW``,
-    the whole update run in the package's C++ core; on TensorFlow and JAX in backend ops that
+    On the PyTorch backend the accumulate, the unscale and AGC and, for ``SGD`` (no momentum),
+    the whole update run in the package's C++ core (any other optimizer, Adam and AdamW
+    included, updates with Keras's own code, bit-identical to the plain optimizer); on
+    TensorFlow and JAX in backend ops that
     ``tf.function``/XLA compile. Under a ``tf.distribute`` strategy every replica accumulates its
     own gradients and they are all-reduced once per cycle, at the boundary.
 
@@ -168,10 +170,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             classifier, as in the NFNets paper); ``None`` or ``()`` clips everything; otherwise
             an iterable of variables, layers (all their weights) or regular expressions matched
             against variable paths.
-        leftover: what :meth:`flush` (called at the end of each epoch by
-            :class:`GradientAccumulateModel` or the :class:`FlushAccumulation` callback) does with
-            a cycle cut short by the end of the data: ``"apply"`` it with its true weight, or
-            ``"carry"`` it into the next epoch.
+        leftover: what :meth:`flush` (called at the end of each epoch of ``fit``, on any model,
+            by the :class:`FlushAccumulation` callback that ``fit`` adds) does with a cycle cut
+            short by the end of the data: ``"apply"`` it with its true weight (an update, which
+            ``iterations`` counts), or ``"carry"`` it into the next epoch.
         initial_scale: first loss scale when ``mixed_precision``.
         dynamic_growth_steps: good updates between doublings of the loss scale.
         on_nonfinite: what a cycle whose averaged gradient holds NaN or Inf does (without
@@ -182,9 +184,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             4th, … dropped cycle; ``"raise"`` drops it and raises
             :class:`~gradient_accumulator.nonfinite.NonFiniteGradientError`; ``"apply"`` applies
             it as computed. Inside a compiled step the warning or error comes when control is
-            back in Python: at the end of that batch in ``fit`` (through
-            :class:`FlushAccumulation`, which :class:`GradientAccumulateModel` adds), in
-            :meth:`flush`, or from :meth:`report_nonfinite`.
+            back in Python: in ``fit`` (through :class:`FlushAccumulation`) at the end of the
+            epoch with ``"skip"`` and before the next batch with ``"raise"``, in :meth:`flush`,
+            or from :meth:`report_nonfinite`.
         use_core: run accumulate/apply through the C++ core (PyTorch backend only). ``None``:
             whenever the backend is PyTorch and the core is importable.
         **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, applied to the
@@ -474,7 +476,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Warn, or raise, for the non-finite cycles dropped since the last report.
 
         Eager ``apply`` and :meth:`flush` report by themselves; a compiled step cannot, so
-        :class:`FlushAccumulation` calls this after every batch of ``fit``.
+        :class:`FlushAccumulation` calls this at the end of each epoch of ``fit`` (and before
+        every batch with ``on_nonfinite="raise"``).
 
         Args:
             skipped: the current :attr:`nonfinite_skipped`, when the caller has read it
@@ -1233,19 +1236,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         present = list(to_numpy(self._seen) > 0)
         overwrites = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
         if _BACKEND == "jax":
-            optimizer_values = [v.value for v in self.variables]
-            own = self._own(optimizer_values)
-            inner_values = optimizer_values[len(self._variables) :]
-            tv, own, inner = self._stateless_cycle_end(
-                ops.convert_to_tensor(True),
-                own,
-                inner_values,
-                [v.value for v in variables],
-                present,
+            tv, values = self._jax_flush(tuple(bool(p) for p in present))(
+                [v.value for v in self.variables], [v.value for v in variables]
             )
             for var, value in zip(variables, tv):
                 var.assign(value)
-            for var, value in zip(self.variables, self._pack(optimizer_values, own, inner)):
+            for var, value in zip(self.variables, values):
                 var.assign(value)
         elif _BACKEND == "torch" and not overwrites and self._core_enabled():
             self._core().boundary()
@@ -1268,6 +1264,41 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._flush_overwrites(present)
         self.report_nonfinite()
         return True
+
+    def _jax_flush(self, present: tuple[bool, ...]) -> Any:
+        """The JAX flush's update as one compiled function, cached per seen-flags pattern and
+        setting (run op by op, its conditional was compiled afresh at every flush: 1.7 s per
+        epoch end for a two-layer MLP)."""
+        import jax
+
+        key = (
+            present,
+            self.accum_steps,
+            self.reduction,
+            self.mixed_precision,
+            self.on_nonfinite,
+            self.use_agc,
+            self.clip_factor,
+            self.eps,
+            self.clipnorm,
+            self.clipvalue,
+            self.global_clipnorm,
+            self.dynamic_growth_steps,
+            self._static_scale,
+        )
+        cache = self.__dict__.setdefault("_jax_flush_cache", {})  # untracked, never saved
+        if key not in cache:
+
+            def flush(optimizer_values: list, trainable_values: list) -> tuple[list, list]:
+                own = self._own(optimizer_values)
+                inner_values = optimizer_values[len(self._variables) :]
+                tv, own, inner = self._stateless_cycle_end(
+                    ops.convert_to_tensor(True), own, inner_values, trainable_values, list(present)
+                )
+                return list(tv), self._pack(optimizer_values, own, inner)
+
+            cache[key] = jax.jit(flush)
+        return cache[key]
 
     # --------------------------------------------------------------------------- config
 
