@@ -240,11 +240,11 @@ GA_HD int vec_head(const void* const* p, const int* size, int n) {
   return -1;
 }
 
-/// The work of thread `tid` of `nthreads` on chunk `c`: a scalar head up to the tensor's first
-/// aligned vector, then the op's fragments of Op::kUnroll vectors of kVec elements (vector k at
-/// k·nthreads·kVec after the first, so every load instruction is coalesced across the warp),
-/// single vectors for the rest, and a scalar tail. Returns the sum of what the op returned
-/// (reductions), in an order fixed by (c, tid) alone.
+/// The work of thread `tid` of `nthreads` on chunk `c`: the op's fragments of Op::kUnroll
+/// vectors of kVec elements from the tensor's first aligned element (vector k at k·nthreads·kVec
+/// after the first, so every load instruction is coalesced across the warp), single vectors for
+/// the rest, then the scalar head before the first vector and the tail after the last. Returns the
+/// sum of what the op returned (reductions), in an order fixed by (c, tid) alone.
 template <int L, typename Op>
 GA_HD double chunk_thread(const Meta<L>& m, const Op& op, int64_t c, int tid, int nthreads,
                           ThreadState& st) {
@@ -257,15 +257,15 @@ GA_HD double chunk_thread(const Meta<L>& m, const Op& op, int64_t c, int tid, in
   const int64_t vec_end = h < 0 ? begin : vec_begin + (end - vec_begin) / kVec * kVec;
   const int64_t step = static_cast<int64_t>(nthreads) * kVec;
   double acc = 0.0;
-  for (int64_t i = begin + tid; i < vec_begin; i += nthreads)
-    acc += op.template run<1, 1>(m, t, i, 0, st);
   int64_t i = vec_begin + static_cast<int64_t>(tid) * kVec;
   if constexpr (U > 1)
     for (; i + (U - 1) * step < vec_end; i += U * step)
       acc += op.template run<U, kVec>(m, t, i, step, st);
   for (; i < vec_end; i += step) acc += op.template run<1, kVec>(m, t, i, step, st);
-  for (int64_t j = vec_end + tid; j < end; j += nthreads)
-    acc += op.template run<1, 1>(m, t, j, 0, st);
+  // The scalar head and tail in one loop (one copy of the scalar body: compile time).
+  const int64_t nhead = vec_begin - begin, nscalar = nhead + (end - vec_end);
+  for (int64_t q = tid; q < nscalar; q += nthreads)
+    acc += op.template run<1, 1>(m, t, q < nhead ? begin + q : vec_end + (q - nhead), 0, st);
   return acc;
 }
 

@@ -105,8 +105,9 @@ struct ApplyScalars : formulas::OptimizerScalars<float> {
 /// Lists: 0 params (P), 1 accumulators (fp32), 2 state1 (S), 3 state2 (S), 4 grads_out (OutT).
 template <Opt O, bool Momentum, bool Reset, bool Agc, typename P, typename S, typename OutT>
 struct ApplyOp {
-  // Two vectors per list: Adam's four fp32 lists already put 8 × 16 bytes in flight per thread.
-  static constexpr int kUnroll = 2;
+  // One vector per list: Adam's four fp32 lists already put 8 × 16 bytes in flight per thread,
+  // and every further vector would multiply the code of the many apply variants (compile time).
+  static constexpr int kUnroll = 1;
   ApplyScalars k;
   const double* coef64;     // clip coefficient computed by the norm pass, or null
   const float* coef32;      // clip coefficient given by the caller, or null
