@@ -19,6 +19,12 @@
 #else
 #define GA_HD inline
 #endif
+// Unrolling for the device pass only (the host compiler does not know the pragma).
+#if defined(__CUDA_ARCH__)
+#define GA_UNROLL _Pragma("unroll")
+#else
+#define GA_UNROLL
+#endif
 
 #include "../core/formulas.h"
 
@@ -187,13 +193,13 @@ GA_HD void store(T* p, const float* v) {
 /// independent 16-byte loads per list in flight (W == kVec), not one.
 template <int U, int W, typename T>
 GA_HD void load_frag(const T* p, int64_t stride, float* v) {
-#pragma unroll
+  GA_UNROLL
   for (int k = 0; k < U; ++k) load<W>(p + k * stride, v + k * W);
 }
 
 template <int U, int W, typename T>
 GA_HD void store_frag(T* p, int64_t stride, const float* v) {
-#pragma unroll
+  GA_UNROLL
   for (int k = 0; k < U; ++k) store<W>(p + k * stride, v + k * W);
 }
 
