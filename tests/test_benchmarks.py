@@ -48,3 +48,58 @@ def test_torch_step_runs_and_cross_checks():
     match = re.search(r"vs fp32 sum of the bf16 grads: max rel diff (\S+);", out)
     assert match, out
     assert float(match.group(1)) <= 1e-6
+
+
+def _run_benchmark(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    pkg_parent = str(Path(gradient_accumulator.__file__).resolve().parents[1])
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, "PYTHONPATH": pkg_parent},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCHMARKS.parent,
+    )
+
+
+@pytest.mark.parametrize("script", ["gpu_core.py", "gpu_profile.py", "gpu_e2e.py"])
+def test_gpu_benchmarks_import_and_parse_their_arguments(script):
+    # No GPU here: the scripts must still import (syntax, imports of cpu_core and the package)
+    # and describe their options, so that they do not rot between GPU runs.
+    pytest.importorskip("torch")
+    proc = _run_benchmark(str(BENCHMARKS / script), "--help", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout and "--json" in proc.stdout
+
+
+def test_gpu_e2e_recipes_agree_on_a_tiny_model_on_the_cpu():
+    # The end-to-end benchmark's two recipes (naive accumulation and ours), one tiny GPT-2 on
+    # the CPU: the same weights after two cycles, so the GPU timings compare equal work.
+    pytest.importorskip("transformers")
+    proc = _run_benchmark(str(BENCHMARKS / "gpu_e2e.py"), "--smoke")
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"ours vs naive after 2 cycles: max rel diff (\S+)", proc.stdout)
+    assert match, proc.stdout
+    assert float(match.group(1)) <= 1e-5
+
+
+def test_gpu_check_dry_run_lists_every_step_without_a_gpu():
+    proc = subprocess.run(
+        ["bash", str(BENCHMARKS.parent / "tools" / "gpu_check.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for step in (
+        "GA_CUDA=ON",
+        "tests/cuda",
+        "KERAS_BACKEND=torch",
+        "KERAS_BACKEND=jax",
+        "memcheck",
+        "racecheck",
+        "gpu_core.py",
+        "gpu_profile.py",
+        "gpu_e2e.py",
+    ):
+        assert step in proc.stdout, (step, proc.stdout)

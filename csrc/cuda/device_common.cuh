@@ -19,6 +19,12 @@
 #else
 #define GA_HD inline
 #endif
+// Unrolling for the device pass only (the host compiler does not know the pragma).
+#if defined(__CUDA_ARCH__)
+#define GA_UNROLL _Pragma("unroll")
+#else
+#define GA_UNROLL
+#endif
 
 #include "../core/formulas.h"
 
@@ -143,6 +149,11 @@ __device__ __forceinline__ uint4 floats_to_words(const float* v, T) {
 }
 #endif
 
+// The 16-byte accesses go through the cache-streaming intrinsics (ld.global.cs.v4 /
+// st.global.cs.v4): each one is a single 128-bit instruction whatever the optimiser does around
+// it. A plain `*reinterpret_cast<const uint4*>(p)` was split into four 32-bit loads in the
+// accumulate and apply kernels (scalarised after the loop was rotated), and every byte is read
+// once per pass, so evict-first is the right cache policy.
 template <int N, typename T>
 GA_HD void load(const T* p, float* v) {
 #if defined(__CUDA_ARCH__)
@@ -150,8 +161,9 @@ GA_HD void load(const T* p, float* v) {
     constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte word
 #pragma unroll
     for (int k = 0; k < N / kPer; ++k)
-      words_to_floats(reinterpret_cast<const uint4*>(p)[k], v + k * kPer, T{});
+      words_to_floats(__ldcs(reinterpret_cast<const uint4*>(p) + k), v + k * kPer, T{});
   } else {
+#pragma unroll
     for (int k = 0; k < N; ++k) v[k] = to_f(p[k]);
   }
 #else
@@ -166,13 +178,29 @@ GA_HD void store(T* p, const float* v) {
     constexpr int kPer = 16 / static_cast<int>(sizeof(T));
 #pragma unroll
     for (int k = 0; k < N / kPer; ++k)
-      reinterpret_cast<uint4*>(p)[k] = floats_to_words(v + k * kPer, T{});
+      __stcs(reinterpret_cast<uint4*>(p) + k, floats_to_words(v + k * kPer, T{}));
   } else {
+#pragma unroll
     for (int k = 0; k < N; ++k) p[k] = from_f<T>(v[k]);
   }
 #else
   for (int k = 0; k < N; ++k) p[k] = from_f<T>(v[k]);
 #endif
+}
+
+/// A fragment: U runs of W consecutive elements, run k starting `k·stride` elements after `p`.
+/// Every load of a fragment is issued before any of its values is used, so a thread has U
+/// independent 16-byte loads per list in flight (W == kVec), not one.
+template <int U, int W, typename T>
+GA_HD void load_frag(const T* p, int64_t stride, float* v) {
+  GA_UNROLL
+  for (int k = 0; k < U; ++k) load<W>(p + k * stride, v + k * W);
+}
+
+template <int U, int W, typename T>
+GA_HD void store_frag(T* p, int64_t stride, const float* v) {
+  GA_UNROLL
+  for (int k = 0; k < U; ++k) store<W>(p + k * stride, v + k * W);
 }
 
 // ---- launch metadata: up to kMaxTensors tensors of L parallel lists, cut into chunks ----
@@ -185,7 +213,8 @@ struct Meta {
   int64_t num_units[kMaxTensors];  // units: units of the tensor
   int32_t start[kMaxTensors + 1];  // first work item (chunk or unit task) of each tensor
   int32_t out_base[kMaxTensors];   // first partial sum / unit of each tensor in the call's arrays
-  uint64_t aligned;                // bit t: every pointer of tensor t is 16-byte aligned
+  int8_t head[kMaxTensors];        // elements before tensor t's first 16-byte-aligned vector
+                                   // (the same offset in every list), or -1: scalar accesses only
   uint64_t trailing;               // bit t: tensor t's units are strided (kGaUnitsTrailing)
   int32_t num_tensors;
 };
@@ -203,21 +232,46 @@ struct ThreadState {
   int bad = 0;
 };
 
-/// The work of thread `tid` of `nthreads` on chunk `c`: the op's run<kVec> on every full,
-/// aligned vector of the chunk, run<1> on the rest. Returns the sum of what the op returned
-/// (reductions), in an order fixed by (c, tid) alone.
+/// The first element index h in [0, kVec) at which every pointer `p[l] + h·size[l]` is 16-byte
+/// aligned, or -1 when there is none (pointers whose misalignments disagree). Vectors start there
+/// and repeat every kVec elements, so a tensor's chunks (kChunk is a multiple of kVec) share it.
+GA_HD int vec_head(const void* const* p, const int* size, int n) {
+  for (int h = 0; h < kVec; ++h) {
+    bool ok = true;
+    for (int l = 0; l < n && ok; ++l)
+      ok =
+          p[l] == nullptr || (reinterpret_cast<uintptr_t>(p[l]) + uintptr_t(h) * size[l]) % 16 == 0;
+    if (ok) return h;
+  }
+  return -1;
+}
+
+/// The work of thread `tid` of `nthreads` on chunk `c`: the op's fragments of Op::kUnroll
+/// vectors of kVec elements from the tensor's first aligned element (vector k at k·nthreads·kVec
+/// after the first, so every load instruction is coalesced across the warp), single vectors for
+/// the rest, then the scalar head before the first vector and the tail after the last. Returns the
+/// sum of what the op returned (reductions), in an order fixed by (c, tid) alone.
 template <int L, typename Op>
 GA_HD double chunk_thread(const Meta<L>& m, const Op& op, int64_t c, int tid, int nthreads,
                           ThreadState& st) {
+  constexpr int U = Op::kUnroll;
   const int t = tensor_of(m, c);
   const int64_t begin = (c - m.start[t]) * kChunk;
   const int64_t end = begin + kChunk < m.numel[t] ? begin + kChunk : m.numel[t];
-  const int64_t vec_end = ((m.aligned >> t) & 1u) ? begin + (end - begin) / kVec * kVec : begin;
+  const int h = m.head[t];
+  const int64_t vec_begin = h < 0 ? begin : (begin + h < end ? begin + h : end);
+  const int64_t vec_end = h < 0 ? begin : vec_begin + (end - vec_begin) / kVec * kVec;
+  const int64_t step = static_cast<int64_t>(nthreads) * kVec;
   double acc = 0.0;
-  for (int64_t i = begin + static_cast<int64_t>(tid) * kVec; i < vec_end;
-       i += static_cast<int64_t>(nthreads) * kVec)
-    acc += op.template run<kVec>(m, t, i, st);
-  for (int64_t i = vec_end + tid; i < end; i += nthreads) acc += op.template run<1>(m, t, i, st);
+  int64_t i = vec_begin + static_cast<int64_t>(tid) * kVec;
+  if constexpr (U > 1)
+    for (; i + (U - 1) * step < vec_end; i += U * step)
+      acc += op.template run<U, kVec>(m, t, i, step, st);
+  for (; i < vec_end; i += step) acc += op.template run<1, kVec>(m, t, i, step, st);
+  // The scalar head and tail in one loop (one copy of the scalar body: compile time).
+  const int64_t nhead = vec_begin - begin, nscalar = nhead + (end - vec_end);
+  for (int64_t q = tid; q < nscalar; q += nthreads)
+    acc += op.template run<1, 1>(m, t, q < nhead ? begin + q : vec_end + (q - nhead), 0, st);
   return acc;
 }
 
@@ -256,10 +310,21 @@ GA_HD void unit_task_lane(const Meta<L>& m, int64_t task, int lane, double& s0, 
   if (!((m.trailing >> t) & 1u)) {
     const int64_t base = local * fan;
     unit_out = m.out_base[t] + static_cast<int>(local);
-    const bool vec = ((m.aligned >> t) & 1u) && fan % kVec == 0;
-    const int64_t vec_end = vec ? fan : 0;
+    // The unit's first aligned vector: the tensor's head moved to the unit's start.
+    const int h = m.head[t] < 0 ? -1 : static_cast<int>(((m.head[t] - base) % kVec + kVec) % kVec);
+    const int64_t vec_begin = h < 0 ? 0 : (h < fan ? h : fan);
+    const int64_t vec_end = h < 0 ? 0 : vec_begin + (fan - vec_begin) / kVec * kVec;
+    for (int64_t j = lane; j < vec_begin; j += kWarp) {
+      const double u = to_f(x0[base + j]);
+      s0 += u * u;
+      if (L > 1) {
+        const double v = to_f(x1[base + j]);
+        s1 += v * v;
+      }
+    }
     float a[kVec], b[kVec];
-    for (int64_t j = static_cast<int64_t>(lane) * kVec; j < vec_end; j += kWarp * kVec) {
+    for (int64_t j = vec_begin + static_cast<int64_t>(lane) * kVec; j < vec_end;
+         j += kWarp * kVec) {
       load<kVec>(x0 + base + j, a);
       if (L > 1) load<kVec>(x1 + base + j, b);
       for (int k = 0; k < kVec; ++k) {

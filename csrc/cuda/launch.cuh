@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "ops.h"
@@ -145,6 +146,8 @@ class CudaBackend {
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
+  static constexpr int kCachedDevices = 64;
+
   int max_blocks() {
     if (device_ < 0) {
       cudaGetLastError();  // a stale error of an earlier call must not fail this one
@@ -179,7 +182,20 @@ class CudaBackend {
   template <bool Reduce, int L, typename Op>
   void chunks(const Meta<L>& m, const Op& op, int64_t n, double* partials, float* flag) {
     if (n == 0) return;
-    const int blocks = static_cast<int>(std::min<int64_t>(n, max_blocks()));
+    // One wave of resident blocks: as many as the kernel's registers let every SM hold (asked
+    // once per kernel and device), each walking chunks grid-stride, so that every SM has its
+    // full complement of loads in flight and no block waits for a second wave.
+    static std::atomic<int> resident[kCachedDevices] = {};
+    max_blocks();
+    int per_sm = device_ < kCachedDevices ? resident[device_].load(std::memory_order_relaxed) : 0;
+    if (per_sm == 0) {
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_kernel<Reduce, L, Op>,
+                                                          kThreads, 0),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      per_sm = std::max(per_sm, 1);
+      if (device_ < kCachedDevices) resident[device_].store(per_sm, std::memory_order_relaxed);
+    }
+    const int blocks = static_cast<int>(std::min<int64_t>(n, int64_t(sms_) * per_sm));
     chunk_kernel<Reduce, L, Op><<<blocks, kThreads, 0, stream_>>>(m, op, n, partials, flag);
     check_launch("chunk_kernel");
   }

@@ -35,17 +35,24 @@ namespace cuda {
 
 // ======================= functors (run on the device, or on the host in tests) ==============
 
+// Each functor's run<U, W>(meta, tensor, i, stride, state) handles a fragment (device_common.cuh):
+// U runs of W elements, run k at i + k·stride. It loads every list of the fragment first, then
+// computes, then stores; kUnroll is the U of the fragments chunk_thread hands it, chosen so that
+// the loads in flight per thread cover the memory latency without spilling registers.
+
 template <typename G>
 struct AccumulateOp {  // lists: 0 accumulator (fp32), 1 gradient (G)
+  static constexpr int kUnroll = 4;
   float alpha, beta;
   int overwrite, want_sumsq;
-  template <int N, int L>
-  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState& st) const {
+  template <int U, int W, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, int64_t stride, ThreadState& st) const {
+    constexpr int N = U * W;
     float* acc = static_cast<float*>(m.ptr[0][t]) + i;
     const G* g = static_cast<const G*>(m.ptr[1][t]) + i;
     float x[N], a[N];
-    load<N>(g, x);
-    if (!overwrite) load<N>(acc, a);
+    load_frag<U, W>(g, stride, x);
+    if (!overwrite) load_frag<U, W>(acc, stride, a);
     double s = 0.0;
     for (int k = 0; k < N; ++k) {
       st.bad |= !is_finite(x[k]);
@@ -55,30 +62,32 @@ struct AccumulateOp {  // lists: 0 accumulator (fp32), 1 gradient (G)
         a[k] = alpha == 1.0f ? fma_f(beta, x[k], a[k]) : fma_f(beta, x[k], alpha * a[k]);
       if (want_sumsq) s += static_cast<double>(a[k]) * a[k];
     }
-    store<N>(acc, a);
+    store_frag<U, W>(acc, stride, a);
     return s;
   }
 };
 
 template <typename T>
 struct SumsqOp {  // list 0: the tensor
-  template <int N, int L>
-  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
-    float x[N];
-    load<N>(static_cast<const T*>(m.ptr[0][t]) + i, x);
+  static constexpr int kUnroll = 4;
+  template <int U, int W, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, int64_t stride, ThreadState&) const {
+    float x[U * W];
+    load_frag<U, W>(static_cast<const T*>(m.ptr[0][t]) + i, stride, x);
     double s = 0.0;
-    for (int k = 0; k < N; ++k) s += static_cast<double>(x[k]) * x[k];
+    for (int k = 0; k < U * W; ++k) s += static_cast<double>(x[k]) * x[k];
     return s;
   }
 };
 
 template <typename T>
 struct ZeroOp {  // list 0: the tensor
-  template <int N, int L>
-  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
-    float z[N];
-    for (int k = 0; k < N; ++k) z[k] = 0.0f;
-    store<N>(static_cast<T*>(m.ptr[0][t]) + i, z);
+  static constexpr int kUnroll = 4;
+  template <int U, int W, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, int64_t stride, ThreadState&) const {
+    float z[U * W];
+    for (int k = 0; k < U * W; ++k) z[k] = 0.0f;
+    store_frag<U, W>(static_cast<T*>(m.ptr[0][t]) + i, stride, z);
     return 0.0;
   }
 };
@@ -96,6 +105,9 @@ struct ApplyScalars : formulas::OptimizerScalars<float> {
 /// Lists: 0 params (P), 1 accumulators (fp32), 2 state1 (S), 3 state2 (S), 4 grads_out (OutT).
 template <Opt O, bool Momentum, bool Reset, bool Agc, typename P, typename S, typename OutT>
 struct ApplyOp {
+  // One vector per list: Adam's four fp32 lists already put 8 × 16 bytes in flight per thread,
+  // and every further vector would multiply the code of the many apply variants (compile time).
+  static constexpr int kUnroll = 1;
   ApplyScalars k;
   const double* coef64;     // clip coefficient computed by the norm pass, or null
   const float* coef32;      // clip coefficient given by the caller, or null
@@ -104,32 +116,36 @@ struct ApplyOp {
   const float* unit_scale;  // AGC: grad_scale · coefficient of every unit
   int in_place;             // kNone without grads_out: write the gradient into the accumulator
 
-  template <int N, int L>
-  GA_HD double run(const Meta<L>& m, int t, int64_t i, ThreadState&) const {
+  template <int U, int W, int L>
+  GA_HD double run(const Meta<L>& m, int t, int64_t i, int64_t stride, ThreadState&) const {
+    constexpr int N = U * W;
     float* acc = static_cast<float*>(m.ptr[1][t]) + i;
     const bool skip = (skip0 != nullptr && *skip0 != 0.0f) || (skip1 != nullptr && *skip1 != 0.0f);
     float zero[N];
     for (int e = 0; e < N; ++e) zero[e] = 0.0f;
     if (skip) {
-      if (Reset) store<N>(acc, zero);
+      if (Reset) store_frag<U, W>(acc, stride, zero);
       return 0.0;
     }
     float g[N];
-    load<N>(acc, g);
+    load_frag<U, W>(acc, stride, g);
     if constexpr (Agc) {
       const int64_t nu = m.num_units[t], fan = m.fan_in[t];
       const float* us = unit_scale + m.out_base[t];
       const bool trailing = (m.trailing >> t) & 1u;
-      int64_t u = nu == 1 ? 0 : (trailing ? i % nu : i / fan);
-      int64_t r = (nu == 1 || trailing) ? 0 : i % fan;
-      for (int e = 0; e < N; ++e) {
-        g[e] *= us[u];
-        if (nu == 1) continue;
-        if (trailing) {
-          if (++u == nu) u = 0;
-        } else if (++r == fan) {
-          r = 0;
-          ++u;
+      for (int q = 0; q < U; ++q) {
+        const int64_t j = i + q * stride;
+        int64_t u = nu == 1 ? 0 : (trailing ? j % nu : j / fan);
+        int64_t r = (nu == 1 || trailing) ? 0 : j % fan;
+        for (int e = q * W; e < (q + 1) * W; ++e) {
+          g[e] *= us[u];
+          if (nu == 1) continue;
+          if (trailing) {
+            if (++u == nu) u = 0;
+          } else if (++r == fan) {
+            r = 0;
+            ++u;
+          }
         }
       }
     } else {
@@ -142,14 +158,15 @@ struct ApplyOp {
     for (int e = 0; e < N; ++e) g[e] = k.maximize ? -g[e] : g[e];
     if constexpr (O == Opt::kNone) {
       if (in_place)
-        store<N>(reinterpret_cast<OutT*>(acc), g);
+        store_frag<U, W>(reinterpret_cast<OutT*>(acc), stride, g);
       else
-        store<N>(static_cast<OutT*>(m.ptr[4][t]) + i, g);
+        store_frag<U, W>(static_cast<OutT*>(m.ptr[4][t]) + i, stride, g);
     } else if constexpr (O == Opt::kSGD) {
       P* p = static_cast<P*>(m.ptr[0][t]) + i;
       float w[N], b[N];
-      load<N>(p, w);
-      if (Momentum && !k.first_momentum) load<N>(static_cast<const S*>(m.ptr[2][t]) + i, b);
+      load_frag<U, W>(p, stride, w);
+      if (Momentum && !k.first_momentum)
+        load_frag<U, W>(static_cast<const S*>(m.ptr[2][t]) + i, stride, b);
       for (int e = 0; e < N; ++e) {
         float gg = k.has_wd ? fma_f(k.wd, w[e], g[e]) : g[e];
         if (Momentum) {
@@ -158,16 +175,16 @@ struct ApplyOp {
         }
         w[e] = fma_f(-k.lr, gg, w[e]);
       }
-      if (Momentum) store<N>(static_cast<S*>(m.ptr[2][t]) + i, b);
-      store<N>(p, w);
+      if (Momentum) store_frag<U, W>(static_cast<S*>(m.ptr[2][t]) + i, stride, b);
+      store_frag<U, W>(p, stride, w);
     } else {
       P* p = static_cast<P*>(m.ptr[0][t]) + i;
       S* s1 = static_cast<S*>(m.ptr[2][t]) + i;
       S* s2 = static_cast<S*>(m.ptr[3][t]) + i;
       float w[N], mm[N], v[N];
-      load<N>(p, w);
-      load<N>(s1, mm);
-      load<N>(s2, v);
+      load_frag<U, W>(p, stride, w);
+      load_frag<U, W>(s1, stride, mm);
+      load_frag<U, W>(s2, stride, v);
       for (int e = 0; e < N; ++e) {
         float gg = g[e];
         if constexpr (O == Opt::kAdam) {
@@ -180,11 +197,11 @@ struct ApplyOp {
         const float denom = div_f(sqrt_f(v[e]), k.bc2_sqrt) + k.adam_eps;
         w[e] = w[e] - k.step_size * div_f(mm[e], denom);
       }
-      store<N>(s1, mm);
-      store<N>(s2, v);
-      store<N>(p, w);
+      store_frag<U, W>(s1, stride, mm);
+      store_frag<U, W>(s2, stride, v);
+      store_frag<U, W>(p, stride, w);
     }
-    if (Reset) store<N>(acc, zero);
+    if (Reset) store_frag<U, W>(acc, stride, zero);
     return 0.0;
   }
 };
@@ -341,17 +358,19 @@ Meta<L> chunk_meta(const std::vector<int64_t>& idx, const ga_tensor_list* const 
   m.num_tensors = static_cast<int32_t>(idx.size());
   int64_t c = 0;
   for (size_t t = 0; t < idx.size(); ++t) {
-    bool aligned = true;
+    const void* ptrs[L] = {};
+    int sizes[L] = {};
     for (int l = 0; l < L; ++l) {
       if (lists[l] == nullptr || lists[l]->size == 0) continue;
-      void* p = lists[l]->tensors[idx[t]].data;
-      m.ptr[l][t] = p;
-      aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+      const ga_tensor& x = lists[l]->tensors[idx[t]];
+      m.ptr[l][t] = x.data;
+      ptrs[l] = x.data;
+      sizes[l] = static_cast<int>(ga_dtype_size(x.dtype));
     }
     const ga_tensor& first = lists[0] && lists[0]->size ? lists[0]->tensors[idx[t]]
                                                         : lists[L > 1 ? 1 : 0]->tensors[idx[t]];
     m.numel[t] = first.numel;
-    if (aligned) m.aligned |= uint64_t(1) << t;
+    m.head[t] = static_cast<int8_t>(vec_head(ptrs, sizes, L));
     m.start[t] = static_cast<int32_t>(c);
     m.out_base[t] = chunk_base.empty() ? 0 : static_cast<int32_t>(chunk_base[idx[t]]);
     c += chunks_of(first.numel);
@@ -480,17 +499,19 @@ void enqueue_unit_sums(B& b, const ga_tensor_list* const (&lists)[L], const ga_u
     int64_t tasks = 0;
     for (size_t t = 0; t < idx.size(); ++t) {
       const int64_t i = idx[t];
-      bool aligned = true;
+      const void* ptrs[L] = {};
+      int sizes[L] = {};
       for (int l = 0; l < L; ++l) {
         m.ptr[l][t] = lists[l]->tensors[i].data;
-        aligned = aligned && reinterpret_cast<uintptr_t>(m.ptr[l][t]) % 16 == 0;
+        ptrs[l] = m.ptr[l][t];
+        sizes[l] = static_cast<int>(ga_dtype_size(lists[l]->tensors[i].dtype));
       }
+      m.head[t] = static_cast<int8_t>(vec_head(ptrs, sizes, L));
       const int64_t nu = units[i].num_units;
       const bool trailing = units[i].layout == kGaUnitsTrailing && nu > 1;
       m.numel[t] = l0.tensors[i].numel;
       m.num_units[t] = nu;
       m.fan_in[t] = l0.tensors[i].numel / nu;
-      if (aligned) m.aligned |= uint64_t(1) << t;
       if (trailing) m.trailing |= uint64_t(1) << t;
       m.start[t] = static_cast<int32_t>(tasks);
       m.out_base[t] = static_cast<int32_t>(unit_base[i]);

@@ -213,6 +213,49 @@ TEST_P(CudaEmulatedOffset, RunningMeanMatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(AlignedAndNot, CudaEmulatedOffset, ::testing::Values(0, 1, 3));
 
+// ---- 16-byte vectors from the first aligned element: a scalar head, vectors, a scalar tail ----
+
+TEST(CudaEmulated, VecHeadIsTheFirstElementWhereEveryListIsAligned) {
+  alignas(64) static char buf[256];
+  const int f32 = 4, h16 = 2;
+  auto head = [](std::initializer_list<const void*> p, std::initializer_list<int> size) {
+    return gc::vec_head(p.begin(), size.begin(), static_cast<int>(p.size()));
+  };
+  EXPECT_EQ(head({buf}, {f32}), 0);
+  EXPECT_EQ(head({buf + 4}, {f32}), 3);       // fp32 one element in: 3 more to 16 bytes
+  EXPECT_EQ(head({buf + 64 + 2}, {h16}), 7);  // bf16 one element in: 7 more
+  EXPECT_EQ(head({buf + 4, buf + 64 + 2}, {f32, h16}), 7);   // both one element in
+  EXPECT_EQ(head({buf + 12, buf + 64 + 6}, {f32, h16}), 5);  // both three elements in
+  EXPECT_EQ(head({buf + 4, buf + 64}, {f32, h16}), -1);      // misalignments that disagree
+  EXPECT_EQ(head({buf + 8, buf + 64 + 4}, {f32, h16}), 6);
+  EXPECT_EQ(head({nullptr, buf + 64 + 4}, {f32, h16}), 6);  // a list the launch does not use
+  EXPECT_EQ(head({buf + 2}, {f32}), -1);  // not even element-aligned: scalar accesses only
+}
+
+TEST(CudaEmulated, AccumulateWithDisagreeingAlignmentsMatchesCpu) {
+  // Accumulators one fp32 element into their allocation, gradients at 0, 1 and 3 bf16/fp16/fp32
+  // elements: no common aligned start (scalar path) or one at 7, 5, 3 (head + vectors + tail).
+  for (int64_t goff : {0, 1, 2, 3}) {
+    SCOPED_TRACE(goff);
+    auto rng = Rng(20 + goff);
+    const auto gd = Cycle({kGaBFloat16, kGaFloat32, kGaFloat16}, kSizes.size());
+    TensorList acc_cpu(kGaFloat32, kSizes, 1), g(gd, kSizes, goff);
+    acc_cpu.FillUniform(rng, -1, 1);
+    g.FillUniform(rng, -2, 2);
+    TensorList acc_dev = DeviceCopy(acc_cpu, 1), g_dev = DeviceCopy(g, goff);
+    HostBackend b;
+    TestTensor sumsq(kGaFloat64, 1, 0);
+    ga_accumulate_options o{kGaAccumulateSum, 1.25, 0.0, 0};
+    ga_accumulate_result r{};
+    ASSERT_EQ(ga_accumulate(acc_cpu.list(), g.list(), &o, 1, &r), kGaOk);
+    ASSERT_EQ(gc::accumulate(b, acc_dev.list(), g_dev.list(), &o, nullptr,
+                             static_cast<double*>(sumsq.data())),
+              kGaOk);
+    ExpectListsNear(acc_dev, acc_cpu, 1e-7);
+    EXPECT_TRUE(NearScalar(sumsq.Get(0), r.sumsq, 1e-12));
+  }
+}
+
 TEST(CudaEmulated, AccumulateFlagsNonFiniteAndKeepsTheFlagSet) {
   TensorList acc(kGaFloat32, {100, 40000}, 0), g(kGaFloat16, {100, 40000}, 0);
   acc = DeviceCopy(acc, 0);

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import f64
 
 from gradient_accumulator import core
 from gradient_accumulator.torch import AccumBatchNorm2d
 from gradient_accumulator.torch import batchnorm as bn_mod
+
+
+def _rel(a, b):
+    den = float(f64(b).abs().max())
+    return float((f64(a) - f64(b)).abs().max()) / max(den, 1e-300)
+
 
 C = 4
 SIZES = [3, 5, 2]
@@ -18,11 +25,6 @@ def _x(n, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     shift = torch.tensor([3.0, -2.0, 10.0, 0.5]).view(1, C, 1, 1)
     return (shift + 2 * torch.randn(n, C, 5, 4, generator=g)).to(dtype)
-
-
-def _rel(a, b):
-    den = float(b.double().abs().max())
-    return float((a.double().cpu() - b.double().cpu()).abs().max()) / max(den, 1e-300)
 
 
 def _cycles(bn, dev, dtype, cycles=3, flush_after=None):

@@ -12,22 +12,13 @@ import math
 import pytest
 import torch
 from conftest import rand
+from gpu_helpers import close as _close
 
 from gradient_accumulator import core
 
 SIZES = [1, 7, 8, 9, 255, 2048, 16383, 16384, 16385, 40000, 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROUND = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11}
-
-
-def _close(got, want, rel, floor=0.0):
-    got, want = torch.as_tensor(got).double().cpu(), torch.as_tensor(want).double().cpu()
-    bound = rel * (want.abs() + floor)
-    bad = (got - want).abs() > bound
-    assert not bad.any(), (
-        f"{int(bad.sum())} of {got.numel()} off; worst |diff| "
-        f"{float((got - want).abs().max()):.3e}"
-    )
 
 
 @pytest.mark.parametrize("offset", [0, 1])
@@ -101,7 +92,7 @@ def test_unitwise_norm_matches_cpu(dev, shape, layout, dtype):
     x = rand(n, dtype, dev, 3, -2, 2, offset=1).view(shape)
     got = core.unitwise_norm(x, layout=layout)
     want = core.unitwise_norm(x.cpu(), layout=layout)
-    _close(got, torch.as_tensor(want), 1e-6)
+    _close(got, want, 1e-6)
 
 
 def _apply_both(dev, optimizer, pdtype, sdtype, clip, **kw):
@@ -159,8 +150,11 @@ def _apply_both(dev, optimizer, pdtype, sdtype, clip, **kw):
         grads_out=out_cpu if optimizer == "none" else None,
         **common,
     )
+    # One unit in the last place of 16-bit results: the unit norms of AGC are summed in
+    # another order on the GPU than on the CPU, and a last-bit difference of a unit's fp32
+    # coefficient can round an fp16 parameter the other way (seen: 1 of 40,000 on an H200).
     for got, want in zip(p + s1 + s2 + out, cpu[0] + cpu[2] + cpu[3] + out_cpu):
-        _close(got, want, 2e-6, floor=1e-2)
+        _close(got, want, 2e-6, floor=1e-2, ulps=1)
     for x in a:
         assert not bool(x.any())
     return r_dev, r_cpu

@@ -8,6 +8,8 @@ import copy
 
 import pytest
 import torch
+from gpu_helpers import rel as _rel
+from gpu_helpers import sync_debug_error
 from torch import nn
 
 from gradient_accumulator.nonfinite import NonFiniteGradientWarning
@@ -41,11 +43,6 @@ def _data(dev, n, seed=1):
 def _loss(model, x, y):
     dt = next(model.parameters()).dtype
     return (model(x.to(dt)) - y.to(dt)).square().mean()
-
-
-def _rel(a, b):
-    num = max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
-    return num / max(float(y.double().abs().max()) for y in b)
 
 
 def _train(model, opt, ref, ref_opt, x, y, k, b, cycles, clip=None, agc=None):
@@ -162,9 +159,8 @@ def test_micro_steps_do_not_synchronise(dev):
             sl = slice(m * 16, (m + 1) * 16)
             _loss(model, x[sl], y[sl]).backward()
             if m < 3:
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+                with sync_debug_error():
+                    opt.step()
+            else:
                 opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
         assert opt.update_applied

@@ -34,6 +34,23 @@ if keras.backend.backend() != BACKEND:  # pragma: no cover - Keras was imported 
     )
 
 
+# fp32 matrix products in full fp32 on GPUs, so that fp32 training can be compared with an fp64
+# reference at 1e-5 (tests/cuda does the same for torch): JAX's default precision on Ampere and
+# later GPUs is TF32 (27 equivalence tests 2e-5…1.2e-3 off on an H200), TensorFlow's too, and
+# cuDNN's convolutions under torch. On CPUs these settings change nothing.
+if BACKEND == "jax":
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+elif BACKEND == "tensorflow":
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+elif BACKEND == "torch":
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def pytest_configure(config):
     # Third-party notices that are not about this package (pyproject turns warnings into errors).
     for line in (
