@@ -1,15 +1,26 @@
 """Accumulation-aware batch norm: running statistics updated once per cycle, from all micro-batches.
 
 Forward normalises with the micro-batch's own statistics (the layer cannot see the big batch).
-Each training forward adds the micro-batch's per-channel (count, mean, M2) to the cycle's moments
-(Chan's parallel formula, fp64, in the C++ core: on the device where the core has kernels, on the
-CPU and CUDA; through small host copies elsewhere); the ``accum_steps``-th forward updates
-``running_mean``, ``running_var`` and ``num_batches_tracked`` once, exactly as one
-``nn.BatchNorm*d`` forward over the concatenated big batch would (unbiased running variance,
-PyTorch's momentum convention, ``momentum=None`` as a cumulative average). Under
-torch.distributed the cycle's moments of all ranks are merged at the boundary with one small
-all_gather (``process_group``, default: the default group), so the statistics are those of the
-global big batch.
+Each training forward takes the micro-batch's per-channel mean and variance from torch's own
+fused batch-norm kernel (the one ``nn.BatchNorm*d`` runs: no second pass over the input) and
+merges them into the cycle's (count, mean, M2) in fp64 (Chan's parallel formula, in the C++
+core: on the device where the core has kernels, on the CPU and CUDA; through small host copies
+elsewhere); the ``accum_steps``-th forward updates ``running_mean``, ``running_var`` and
+``num_batches_tracked`` once, exactly as one ``nn.BatchNorm*d`` forward over the concatenated
+big batch would (unbiased running variance, PyTorch's momentum convention, ``momentum=None`` as
+a cumulative average). Under torch.distributed the cycle's moments of all ranks are merged at
+the boundary with one small all_gather (``process_group``, default: the default group), so the
+statistics are those of the global big batch.
+
+Precision: a micro-batch's moments are what torch's kernel computes for that input (for fp32
+input: accumulated in higher precision, rounded to fp32, as ``nn.BatchNorm*d`` itself does on the
+big batch); everything from there on is fp64. fp16/bf16 running statistics take their moments
+from an fp64 pass over the input instead.
+
+Under ``torch.compile`` (``fullgraph=True`` included) the normalisation is traced like
+``nn.BatchNorm*d``'s and the cycle's bookkeeping (merge, micro-step counter, the boundary's
+running update) runs as one registered custom op, ``gradient_accumulator::bn_fold``: no graph
+break.
 """
 
 from __future__ import annotations
@@ -70,13 +81,6 @@ def _torch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, m2
 
 
-_COMPILE_REASON = (
-    "AccumBatchNorm keeps its cycle bookkeeping (moment merge, micro-step counter, running-"
-    "statistics update) outside the compiled graph; compile the model without fullgraph=True "
-    "(the layer's normalisation itself is compiled)"
-)
-
-
 def layers_to_flush(model: nn.Module | None, index: dict[int, int]) -> list[nn.Module]:
     """The AccumBatchNorm layers an optimizer flushes with its own partial cycle, in an order
     every rank shares: those of ``model``, then the live layers whose affine weight the
@@ -93,6 +97,186 @@ def layers_to_flush(model: nn.Module | None, index: dict[int, int]) -> list[nn.M
     return layers + [m for _, m in held]
 
 
+def _input_moments(x: torch.Tensor) -> torch.Tensor:
+    """(mean, M2) of ``x`` per channel (axis 1), float64, stacked: the core's fp64 pass on the
+    CPU in eager mode, torch ops elsewhere."""
+    if core_runs_on(x.device, moments=True) and not torch.compiler.is_compiling():
+        c = x.shape[1]
+        out = torch.empty(2, c, dtype=torch.float64)
+        core.bn_moments(x.contiguous(), channels_axis=1, mean=out[0], m2=out[1])
+        return out
+    return torch.stack(_torch_moments(x))
+
+
+def _fold(m: Any, moments: torch.Tensor, count: int) -> None:
+    """Merge one micro-batch's ``moments`` (float64 (mean, M2), ``count`` values per channel)
+    into the cycle of ``m`` (a layer, or the custom op's view of one), count the micro-step and
+    end the cycle at the ``accum_steps``-th."""
+    with torch.no_grad():
+        if m.accum_mean.dtype != torch.float64:  # e.g. after model.half()
+            for name in _MOMENTS:
+                setattr(m, name, getattr(m, name).double())
+        mean, m2 = moments[0], moments[1]
+        if core_runs_on(m.accum_mean.device):
+            mean, m2 = mean.to(m.accum_mean.device), m2.to(m.accum_mean.device)
+            total = core.bn_merge(
+                float(m.accum_count), m.accum_mean, m.accum_m2, float(count), mean, m2
+            )
+        else:  # no core kernels on this device: merge small host copies, copy the result back
+            acc_mean, acc_m2 = _host(m.accum_mean), _host(m.accum_m2)
+            total = core.bn_merge(
+                float(m.accum_count), acc_mean, acc_m2, float(count), _host(mean), _host(m2)
+            )
+            m.accum_mean.copy_(acc_mean)
+            m.accum_m2.copy_(acc_m2)
+        m.accum_count.fill_(total)
+        m.accum_step += 1
+        if int(m.accum_step) >= m.accum_steps:
+            _update_running(m)
+
+
+def _update_running(m: Any, collective: bool = False) -> None:
+    """Fold the cycle's merged moments of ``m`` into its running statistics and start a new
+    cycle.
+
+    Args:
+        collective: take part in the merge across ranks even with an empty local cycle
+            (a flush, which every rank makes, whatever it has seen).
+    """
+    with torch.no_grad():
+        if int(m.accum_step) == 0 and not (collective and m._multi_rank()):
+            return
+        _merge_across_ranks(m)
+        if float(m.accum_count) == 0:  # no rank saw a sample this cycle
+            m.accum_step.zero_()
+            return
+        m.num_batches_tracked += 1
+        if m.momentum is None:
+            factor = 1.0 / float(m.num_batches_tracked)
+        else:
+            factor = float(m.momentum)
+        count = float(m.accum_count)
+        if count > 1:
+            rm, rv = m.running_mean, m.running_var
+            if core_runs_on(rm.device):
+                mean, m2 = m.accum_mean, m.accum_m2
+                direct = rm.dtype in (torch.float32, torch.float64)
+                # fp16/bf16 statistics: an fp64 copy on the same device, rounded once back
+                rm_w = rm if direct else rm.double()
+                rv_w = rv if direct else rv.double()
+            else:  # no core kernels on this device: update host copies, copy the result back
+                mean, m2 = _host(m.accum_mean), _host(m.accum_m2)
+                direct = False
+                rm_w, rv_w = _host(rm), _host(rv)
+            core.bn_update_running(rm_w, rv_w, mean, m2, count, momentum=factor, unbiased=True)
+            if not direct:
+                rm.copy_(rm_w)
+                rv.copy_(rv_w)
+        m.accum_count.zero_()
+        m.accum_mean.zero_()
+        m.accum_m2.zero_()
+        m.accum_step.zero_()
+
+
+def _multi_rank(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _merge_across_ranks(m: Any) -> None:
+    """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
+    import torch.distributed as dist
+
+    if not m._multi_rank():
+        return
+    group = m.process_group
+    world = dist.get_world_size(group)
+    c = m.accum_mean.numel()
+    mine = torch.cat([m.accum_count.view(1), m.accum_mean, m.accum_m2])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    if not core_runs_on(mine.device):  # no core kernels there: merge on the host
+        gathered = [_host(g) for g in gathered]
+    counts = torch.stack([g[0] for g in gathered]).tolist()  # one read of the device
+    # Merged into rank 0's gathered copy (a buffer of its own), in rank order: every rank
+    # computes the same result.
+    count, mean, m2 = counts[0], gathered[0][1 : 1 + c], gathered[0][1 + c :]
+    for n, other in zip(counts[1:], gathered[1:]):
+        count = core.bn_merge(count, mean, m2, n, other[1 : 1 + c], other[1 + c :])
+    m.accum_count.fill_(count)
+    m.accum_mean.copy_(mean)
+    m.accum_m2.copy_(m2)
+
+
+# Layers by key, for the custom op (which takes tensors and numbers, not modules): the op reads
+# a layer's process group from here; everything it changes comes in as its own arguments.
+_BY_KEY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_KEY = [0]
+
+
+class _Held:
+    """The custom op's view of a layer: its cycle buffers as the op was given them."""
+
+    def __init__(self, key: int, **tensors: Any) -> None:
+        self.__dict__.update(tensors)
+        layer = _BY_KEY.get(key)
+        self.process_group = None if layer is None else layer.process_group
+        self._layer = layer
+
+    def _multi_rank(self) -> bool:
+        if self._layer is not None:
+            return self._layer._multi_rank()
+        return _multi_rank(self.process_group)
+
+
+@torch.library.custom_op(
+    "gradient_accumulator::bn_fold",
+    mutates_args=(
+        "accum_count",
+        "accum_mean",
+        "accum_m2",
+        "accum_step",
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    ),
+)
+def _bn_fold_op(
+    moments: torch.Tensor,
+    count: int,
+    accum_count: torch.Tensor,
+    accum_mean: torch.Tensor,
+    accum_m2: torch.Tensor,
+    accum_step: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    num_batches_tracked: torch.Tensor,
+    accum_steps: int,
+    momentum: float | None,
+    key: int,
+) -> None:
+    """AccumBatchNorm's per-micro-step bookkeeping as one op (what the eager forward runs)."""
+    held = _Held(
+        key,
+        accum_count=accum_count,
+        accum_mean=accum_mean,
+        accum_m2=accum_m2,
+        accum_step=accum_step,
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
+        accum_steps=accum_steps,
+        momentum=momentum,
+    )
+    _fold(held, moments, count)
+
+
+@_bn_fold_op.register_fake
+def _bn_fold_fake(moments, count, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    return None
+
+
 class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 
@@ -105,7 +289,18 @@ class _AccumBatchNormMixin:
         self.register_buffer("accum_mean", torch.zeros(c, dtype=torch.float64, device=device))
         self.register_buffer("accum_m2", torch.zeros(c, dtype=torch.float64, device=device))
         self.register_buffer("accum_step", torch.zeros((), dtype=torch.long, device=device))
+        self._register()
+
+    def _register(self) -> None:
         _LIVE.add(self)
+        self._ga_key = _NEXT_KEY[0]
+        _NEXT_KEY[0] += 1
+        _BY_KEY[self._ga_key] = self
+
+    def __setstate__(self, state: dict) -> None:
+        # A deep copy or an unpickled layer is a layer of its own: its own key, and live.
+        super().__setstate__(state)
+        self._register()
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202
         # model.to(dtype) / .half() would round the cycle's float64 moments; they follow the
@@ -142,121 +337,48 @@ class _AccumBatchNormMixin:
                 0.0,
                 self.eps,
             )
-        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if self.training and self.track_running_stats:
-            self._accumulate_moments(input.detach())
+        if not (self.training and self.track_running_stats):
+            return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        c = self.num_features
+        count = input.numel() // c
+        rm = self.running_mean
+        if rm.dtype in (torch.float32, torch.float64):
+            # torch's fused kernel writes the micro-batch's mean and unbiased variance into
+            # fresh zero "running" buffers (momentum 1: 1·batch + 0·0), in the same pass that
+            # normalises: the moments cost no extra read of the input.
+            stats = torch.zeros(2, c, dtype=rm.dtype, device=rm.device)
+            out = F.batch_norm(
+                input, stats[0], stats[1], self.weight, self.bias, True, 1.0, self.eps
+            )
+            moments = stats.to(torch.float64)  # (mean, M2): M2 = unbiased variance · (n − 1)
+            moments[1].mul_(count - 1)
+        else:  # fp16/bf16 statistics: fp64 moments from a pass of their own
+            out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            moments = _input_moments(input.detach())
+        if torch.compiler.is_compiling():
+            torch.ops.gradient_accumulator.bn_fold(
+                moments,
+                count,
+                self.accum_count,
+                self.accum_mean,
+                self.accum_m2,
+                self.accum_step,
+                self.running_mean,
+                self.running_var,
+                self.num_batches_tracked,
+                self.accum_steps,
+                self.momentum,
+                self._ga_key,
+            )
+        else:
+            _fold(self, moments, count)
         return out
 
-    # Host-side cycle bookkeeping (the core's moment merge, the micro-step counter, the once-per-
-    # cycle running-statistics update) stays out of torch.compile's graph on purpose: traced, the
-    # in-place counter update is dropped and the running statistics never move. Under compile
-    # the forward breaks the graph here and runs this part eagerly.
-    @torch.compiler.disable(reason=_COMPILE_REASON)
-    @torch.no_grad()
-    def _accumulate_moments(self, x: torch.Tensor) -> None:
-        if self.accum_mean.dtype != torch.float64:  # e.g. after model.half()
-            for name in ("accum_count", "accum_mean", "accum_m2"):
-                setattr(self, name, getattr(self, name).double())
-        count = x.numel() // x.shape[1]
-        if core_runs_on(x.device, moments=True):
-            mean, m2, count = core.bn_moments(
-                x.contiguous(),
-                channels_axis=1,
-                mean=torch.empty(self.num_features, dtype=torch.float64),
-                m2=torch.empty(self.num_features, dtype=torch.float64),
-            )
-        else:
-            mean, m2 = _torch_moments(x)
-        if core_runs_on(self.accum_mean.device):
-            mean, m2 = mean.to(self.accum_mean.device), m2.to(self.accum_mean.device)
-            total = core.bn_merge(
-                float(self.accum_count), self.accum_mean, self.accum_m2, float(count), mean, m2
-            )
-        else:  # no core kernels on this device: merge small host copies, copy the result back
-            acc_mean, acc_m2 = _host(self.accum_mean), _host(self.accum_m2)
-            total = core.bn_merge(
-                float(self.accum_count), acc_mean, acc_m2, float(count), _host(mean), _host(m2)
-            )
-            self.accum_mean.copy_(acc_mean)
-            self.accum_m2.copy_(acc_m2)
-        self.accum_count.fill_(total)
-        self.accum_step += 1
-        if int(self.accum_step) >= self.accum_steps:
-            self._update_running()
-
-    @torch.no_grad()
     def _update_running(self, collective: bool = False) -> None:
-        """Fold the cycle's merged moments into the running statistics and start a new cycle.
-
-        Args:
-            collective: take part in the merge across ranks even with an empty local cycle
-                (a flush, which every rank makes, whatever it has seen).
-        """
-        if int(self.accum_step) == 0 and not (collective and self._multi_rank()):
-            return
-        self._merge_across_ranks()
-        if float(self.accum_count) == 0:  # no rank saw a sample this cycle
-            self.accum_step.zero_()
-            return
-        self.num_batches_tracked += 1
-        if self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked)
-        else:
-            factor = float(self.momentum)
-        count = float(self.accum_count)
-        if count > 1:
-            rm, rv = self.running_mean, self.running_var
-            if core_runs_on(rm.device):
-                mean, m2 = self.accum_mean, self.accum_m2
-                direct = rm.dtype in (torch.float32, torch.float64)
-                # fp16/bf16 statistics: an fp64 copy on the same device, rounded once back
-                rm_w = rm if direct else rm.double()
-                rv_w = rv if direct else rv.double()
-            else:  # no core kernels on this device: update host copies, copy the result back
-                mean, m2 = _host(self.accum_mean), _host(self.accum_m2)
-                direct = False
-                rm_w, rv_w = _host(rm), _host(rv)
-            core.bn_update_running(rm_w, rv_w, mean, m2, count, momentum=factor, unbiased=True)
-            if not direct:
-                rm.copy_(rm_w)
-                rv.copy_(rv_w)
-        self.accum_count.zero_()
-        self.accum_mean.zero_()
-        self.accum_m2.zero_()
-        self.accum_step.zero_()
+        _update_running(self, collective)
 
     def _multi_rank(self) -> bool:
-        import torch.distributed as dist
-
-        return (
-            dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(self.process_group) > 1
-        )
-
-    def _merge_across_ranks(self) -> None:
-        """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
-        import torch.distributed as dist
-
-        if not self._multi_rank():
-            return
-        group = self.process_group
-        world = dist.get_world_size(group)
-        c = self.num_features
-        mine = torch.cat([self.accum_count.view(1), self.accum_mean, self.accum_m2])
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=group)
-        if not core_runs_on(mine.device):  # no core kernels there: merge on the host
-            gathered = [_host(g) for g in gathered]
-        counts = torch.stack([g[0] for g in gathered]).tolist()  # one read of the device
-        # Merged into rank 0's gathered copy (a buffer of its own), in rank order: every rank
-        # computes the same result.
-        count, mean, m2 = counts[0], gathered[0][1 : 1 + c], gathered[0][1 + c :]
-        for n, other in zip(counts[1:], gathered[1:]):
-            count = core.bn_merge(count, mean, m2, n, other[1 : 1 + c], other[1 + c :])
-        self.accum_count.fill_(count)
-        self.accum_mean.copy_(mean)
-        self.accum_m2.copy_(m2)
+        return _multi_rank(self.process_group)
 
     def flush(self) -> None:
         """Apply a partial cycle's statistics now (end of data).

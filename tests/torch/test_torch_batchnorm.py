@@ -240,3 +240,21 @@ def test_accum_batchnorm_rejects_bad_accum_steps(bad):
         AccumBatchNorm2d(C, accum_steps=bad)
     with pytest.raises((ValueError, TypeError), match="accum_steps"):
         convert_batchnorm(nn.BatchNorm1d(C), bad)
+
+
+def test_deep_copied_layer_is_flushed_by_the_optimizer_holding_its_weights(rel_err):
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+    model = nn.Sequential(nn.Linear(4, C), AccumBatchNorm1d(C, accum_steps=4))
+    twin = copy.deepcopy(model)  # a layer of its own (not built by __init__)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1), 4)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    twin(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.flush()  # the optimizer was not given the model: it finds the layer by its weight
+    assert int(twin[1].num_batches_tracked) == 1 and int(twin[1].accum_step) == 0
+    assert int(model[1].num_batches_tracked) == 0
+    ref = nn.BatchNorm1d(C).double()
+    ref(model[0](x).detach().double())
+    assert rel_err(twin[1].running_var, ref.running_var) <= 1e-6
