@@ -656,8 +656,7 @@ def bench_resnet(repeats: int, warmup: int, compiled: bool) -> tuple[list, dict]
     from torch._inductor import config as inductor_config
 
     # Compile time from scratch each run: no graph cache from an earlier run.
-    inductor_config.fx_graph_cache = False
-    inductor_config.autograd_cache = False
+    inductor_config.force_disable_caches = True
     torch._dynamo.reset()
     warm_s, breaks, runs = {}, {}, {}
     for key, model in (("plain", plain), ("ours", ours)):

@@ -25,6 +25,7 @@ break.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "AccumBatchNorm1d",
     "AccumBatchNorm2d",
     "AccumBatchNorm3d",
+    "AccumSyncBatchNorm",
     "convert_batchnorm",
     "flush_batchnorm",
 ]
@@ -458,21 +460,84 @@ class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
         self._init_accum(accum_steps, process_group)
 
 
+class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` whose running statistics are those of the global big batch.
+
+    What ``convert_batchnorm`` makes of an ``nn.SyncBatchNorm``. The running statistics are
+    merged across the ranks of ``process_group`` (default: the default group) once per cycle,
+    with one small all_gather, and equal those of torch's ``SyncBatchNorm`` on the global big
+    batch (all ranks' micro-batches of the cycle together). The training forward normalises
+    with the rank's own micro-batch statistics, like ``AccumBatchNorm*d`` and like a plain
+    ``BatchNorm`` under DDP: no collective per micro-batch (``SyncBatchNorm`` normalises with
+    the statistics of the micro-batch across ranks, two collectives per layer and micro-batch,
+    on GPUs only). Accepts inputs of rank 2 to 5, like ``SyncBatchNorm``.
+
+    Example:
+        >>> import torch
+        >>> bn = AccumSyncBatchNorm(3, accum_steps=2)
+        >>> _ = bn(torch.randn(4, 3, 5)); _ = bn(torch.randn(2, 3, 5))
+        >>> int(bn.num_batches_tracked)
+        1
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *args: Any,
+        accum_steps: int = 1,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
+        super().__init__(num_features, *args, process_group=process_group, **kwargs)
+        self._init_accum(accum_steps, process_group)
+
+
 _TARGETS = {
     nn.BatchNorm1d: AccumBatchNorm1d,
     nn.BatchNorm2d: AccumBatchNorm2d,
     nn.BatchNorm3d: AccumBatchNorm3d,
+    nn.SyncBatchNorm: AccumSyncBatchNorm,
 }
 
 
+def _uninitialized_lazy(m: nn.Module) -> bool:
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    return isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+
+
+def _batchnorm_like(m: nn.Module) -> bool:
+    """A batch norm that updates running statistics in its forward, other than ours."""
+    if isinstance(m, _AccumBatchNormMixin):
+        return False
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return True
+    name = type(m).__name__.lower()
+    return (
+        "batchnorm" in name
+        and "frozen" not in name
+        and isinstance(getattr(m, "running_mean", None), torch.Tensor)
+    )
+
+
 def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its AccumBatchNorm counterpart.
+    """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by its
+    accumulating counterpart (``AccumBatchNorm1d/2d/3d``, ``AccumSyncBatchNorm``).
 
     Affine parameters, running statistics and ``num_batches_tracked`` are copied (no tensor
-    is shared with the old layer); ``requires_grad`` and the training mode are kept.
+    is shared with the old layer); ``requires_grad``, the training mode and a
+    ``SyncBatchNorm``'s ``process_group`` are kept. A ``LazyBatchNorm*d`` is converted once a
+    forward has materialised it (it is then a ``BatchNorm*d``); before that it is refused. Any
+    other batch-norm-like layer (a subclass of ``BatchNorm*d`` with a forward of its own, a
+    third-party batch norm) is left alone with a warning: its running statistics keep updating
+    on every micro-batch. A later ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` keeps the
+    converted layers (see ``AccumSyncBatchNorm``).
 
     Returns:
         The converted module (``module`` itself, changed in place, unless it is a BatchNorm).
+
+    Raises:
+        ValueError: ``module`` holds an uninitialised lazy batch norm (nothing is converted).
 
     Example:
         >>> from torch import nn
@@ -483,8 +548,20 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     accum_steps = _validation.check_accum_steps(accum_steps)
+    for name, m in module.named_modules():
+        if _uninitialized_lazy(m) and _batchnorm_like(m):
+            raise ValueError(
+                f"module: {name or 'the module'} is an uninitialised {type(m).__name__}; run "
+                "one forward (e.g. on a sample batch, in eval mode) to materialise it, then "
+                "call convert_batchnorm"
+            )
+    return _convert(module, accum_steps, "")
+
+
+def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
     target = _TARGETS.get(type(module))
     if target is not None:
+        extra = {"process_group": module.process_group} if target is AccumSyncBatchNorm else {}
         new = target(
             module.num_features,
             eps=module.eps,
@@ -492,6 +569,7 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
             affine=module.affine,
             track_running_stats=module.track_running_stats,
             accum_steps=accum_steps,
+            **extra,
         ).to(device=next(iter(module.state_dict().values()), torch.empty(0)).device)
         with torch.no_grad():
             if module.affine:
@@ -507,9 +585,42 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
             new = new.to(dtype=module.weight.dtype)
         new.train(module.training)
         return new
+    if _batchnorm_like(module):
+        warnings.warn(
+            f"convert_batchnorm leaves {path or 'the module'} ({type(module).__name__}) as it "
+            "is: its running statistics update on every micro-batch, not once per cycle. "
+            "Replace it by an AccumBatchNorm layer yourself if it is a plain batch norm",
+            UserWarning,
+            stacklevel=3,
+        )
+        return module
     for name, child in module.named_children():
-        setattr(module, name, convert_batchnorm(child, accum_steps))
+        setattr(module, name, _convert(child, accum_steps, f"{path}.{name}" if path else name))
     return module
+
+
+# torch's SyncBatchNorm.convert_sync_batchnorm replaces every _BatchNorm, ours included, by a
+# SyncBatchNorm that shares our running statistics and updates them on every micro-batch. Ours
+# already merge across ranks once per cycle: the converter keeps them (in the process group it
+# is given) and converts everything else as torch does.
+_INSTALLED = nn.SyncBatchNorm.__dict__["convert_sync_batchnorm"].__func__
+_TORCH_CONVERT_SYNC = (
+    _INSTALLED.__wrapped__ if getattr(_INSTALLED, "_keeps_accum_batchnorm", False) else _INSTALLED
+)
+
+
+def _convert_sync_keeping_ours(cls: type, module: nn.Module, process_group: Any = None) -> Any:
+    """torch's ``SyncBatchNorm.convert_sync_batchnorm``, except that AccumBatchNorm layers are
+    kept (they merge their statistics across the ranks of ``process_group`` once per cycle)."""
+    if isinstance(module, _AccumBatchNormMixin):
+        module.process_group = process_group
+        return module
+    return _TORCH_CONVERT_SYNC(cls, module, process_group)
+
+
+_convert_sync_keeping_ours._keeps_accum_batchnorm = True  # type: ignore[attr-defined]
+_convert_sync_keeping_ours.__wrapped__ = _TORCH_CONVERT_SYNC  # type: ignore[attr-defined]
+nn.SyncBatchNorm.convert_sync_batchnorm = classmethod(_convert_sync_keeping_ours)
 
 
 def flush_batchnorm(module: nn.Module) -> None:
