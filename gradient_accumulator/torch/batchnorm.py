@@ -110,31 +110,37 @@ def _input_moments(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(_torch_moments(x))
 
 
-def _fold(m: Any, moments: torch.Tensor, count: int) -> None:
-    """Merge one micro-batch's ``moments`` (float64 (mean, M2), ``count`` values per channel)
+def _fold(m: Any, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
+    """Merge one micro-batch's moments (``mean`` and ``m2`` = Σ(x − mean)² per channel, float32
+    or float64, ``count`` values per channel)
     into the cycle of ``m`` (a layer, or the custom op's view of one), count the micro-step and
-    end the cycle at the ``accum_steps``-th."""
-    with torch.no_grad():
-        if m.accum_mean.dtype != torch.float64:  # e.g. after model.half()
-            for name in _MOMENTS:
-                setattr(m, name, getattr(m, name).double())
-        mean, m2 = moments[0], moments[1]
-        if core_runs_on(m.accum_mean.device):
-            mean, m2 = mean.to(m.accum_mean.device), m2.to(m.accum_mean.device)
-            total = core.bn_merge(
-                float(m.accum_count), m.accum_mean, m.accum_m2, float(count), mean, m2
-            )
-        else:  # no core kernels on this device: merge small host copies, copy the result back
-            acc_mean, acc_m2 = _host(m.accum_mean), _host(m.accum_m2)
-            total = core.bn_merge(
-                float(m.accum_count), acc_mean, acc_m2, float(count), _host(mean), _host(m2)
-            )
-            m.accum_mean.copy_(acc_mean)
-            m.accum_m2.copy_(acc_m2)
-        m.accum_count.fill_(total)
-        m.accum_step += 1
-        if int(m.accum_step) >= m.accum_steps:
-            _update_running(m)
+    end the cycle at the ``accum_steps``-th.
+
+    Runs on every training forward, so it reads the buffers once (a module's attribute lookup
+    is not free) and needs no autograd context (nothing here requires grad)."""
+    if m.accum_mean.dtype != torch.float64:  # e.g. after model.half()
+        for name in _MOMENTS:
+            setattr(m, name, getattr(m, name).double())
+    b = m._buffers if isinstance(m, nn.Module) else m.__dict__
+    acc_count, acc_mean, acc_m2, acc_step = (
+        b["accum_count"],
+        b["accum_mean"],
+        b["accum_m2"],
+        b["accum_step"],
+    )
+    if core_runs_on(acc_mean.device):
+        if mean.device != acc_mean.device:
+            mean, m2 = mean.to(acc_mean.device), m2.to(acc_mean.device)
+        total = core.bn_merge(float(acc_count), acc_mean, acc_m2, float(count), mean, m2)
+    else:  # no core kernels on this device: merge small host copies, copy the result back
+        h_mean, h_m2 = _host(acc_mean), _host(acc_m2)
+        total = core.bn_merge(float(acc_count), h_mean, h_m2, float(count), _host(mean), _host(m2))
+        acc_mean.copy_(h_mean)
+        acc_m2.copy_(h_m2)
+    acc_count.fill_(total)
+    acc_step.add_(1)
+    if int(acc_step) >= m.accum_steps:
+        _update_running(m)
 
 
 def _update_running(m: Any, collective: bool = False) -> None:
@@ -245,7 +251,8 @@ class _Held:
     ),
 )
 def _bn_fold_op(
-    moments: torch.Tensor,
+    mean: torch.Tensor,
+    m2: torch.Tensor,
     count: int,
     accum_count: torch.Tensor,
     accum_mean: torch.Tensor,
@@ -271,11 +278,11 @@ def _bn_fold_op(
         accum_steps=accum_steps,
         momentum=momentum,
     )
-    _fold(held, moments, count)
+    _fold(held, mean, m2, count)
 
 
 @_bn_fold_op.register_fake
-def _bn_fold_fake(moments, count, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+def _bn_fold_fake(mean, m2, count, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
     return None
 
 
@@ -343,23 +350,41 @@ class _AccumBatchNormMixin:
             return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         c = self.num_features
         count = input.numel() // c
-        rm = self.running_mean
-        if rm.dtype in (torch.float32, torch.float64):
-            # torch's fused kernel writes the micro-batch's mean and unbiased variance into
-            # fresh zero "running" buffers (momentum 1: 1·batch + 0·0), in the same pass that
-            # normalises: the moments cost no extra read of the input.
+        rm = self._buffers["running_mean"]
+        compiling = torch.compiler.is_compiling()
+        if rm.dtype not in (torch.float32, torch.float64):
+            # fp16/bf16 statistics: fp64 moments from a pass of their own
+            out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            moments = _input_moments(input.detach())
+            mean, m2 = moments[0], moments[1]
+        elif input.device.type == "cpu" and not compiling:
+            # torch's kernel computes the micro-batch's moments in the pass that normalises and
+            # returns the mean; with momentum n − 1 its "running variance" update turns a zero
+            # buffer into (n − 1)·(unbiased variance) = M2 (its running mean, (n − 1)·mean, is
+            # not used). No extra read of the input and no op beyond the buffers' allocation.
+            if count <= 1:
+                raise ValueError(
+                    "Expected more than 1 value per channel when training, got input size "
+                    f"{input.size()}"
+                )
+            scaled_mean, m2 = torch.zeros(2, c, dtype=rm.dtype).unbind()
+            out, mean, _ = torch.native_batch_norm(
+                input, self.weight, self.bias, scaled_mean, m2, True, float(count - 1), self.eps
+            )
+        else:
+            # Elsewhere (and when traced) through F.batch_norm, as nn.BatchNorm*d: fresh zero
+            # "running" buffers with momentum 1 receive the mean and the unbiased variance.
             stats = torch.zeros(2, c, dtype=rm.dtype, device=rm.device)
             out = F.batch_norm(
                 input, stats[0], stats[1], self.weight, self.bias, True, 1.0, self.eps
             )
-            moments = stats.to(torch.float64)  # (mean, M2): M2 = unbiased variance · (n − 1)
+            moments = stats.to(torch.float64)
             moments[1].mul_(count - 1)
-        else:  # fp16/bf16 statistics: fp64 moments from a pass of their own
-            out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-            moments = _input_moments(input.detach())
-        if torch.compiler.is_compiling():
+            mean, m2 = moments[0], moments[1]
+        if compiling:
             torch.ops.gradient_accumulator.bn_fold(
-                moments,
+                mean,
+                m2,
                 count,
                 self.accum_count,
                 self.accum_mean,
@@ -373,7 +398,7 @@ class _AccumBatchNormMixin:
                 self._ga_key,
             )
         else:
-            _fold(self, moments, count)
+            _fold(self, mean, m2, count)
         return out
 
     def _update_running(self, collective: bool = False) -> None:
