@@ -485,8 +485,9 @@ class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
         self._init_accum(accum_steps, process_group)
 
 
-class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` whose running statistics are those of the global big batch.
+class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.modules.batchnorm._BatchNorm):
+    """The accumulating counterpart of ``nn.SyncBatchNorm``: running statistics of the global
+    big batch.
 
     What ``convert_batchnorm`` makes of an ``nn.SyncBatchNorm``. The running statistics are
     merged across the ranks of ``process_group`` (default: the default group) once per cycle,
@@ -495,7 +496,8 @@ class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
     with the rank's own micro-batch statistics, like ``AccumBatchNorm*d`` and like a plain
     ``BatchNorm`` under DDP: no collective per micro-batch (``SyncBatchNorm`` normalises with
     the statistics of the micro-batch across ranks, two collectives per layer and micro-batch,
-    on GPUs only). Accepts inputs of rank 2 to 5, like ``SyncBatchNorm``.
+    on GPUs only). Accepts inputs of rank 2 and more, like ``SyncBatchNorm``. It is not a
+    subclass of ``nn.SyncBatchNorm`` (DDP refuses those on the CPU).
 
     Example:
         >>> import torch
@@ -513,8 +515,12 @@ class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
         process_group: Any = None,
         **kwargs: Any,
     ):
-        super().__init__(num_features, *args, process_group=process_group, **kwargs)
+        super().__init__(num_features, *args, **kwargs)
         self._init_accum(accum_steps, process_group)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
 
 _TARGETS = {
