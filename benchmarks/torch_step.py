@@ -56,6 +56,15 @@ process, one call of each per repeat after warm-up calls, so machine noise hits 
    accumulators (ours: fixed, 4 bytes per parameter). Not counted: activations, and autograd's
    transient gradient buffers before they land in ``.grad`` (the same in all three loops).
 
+5. ``--resnet`` (this section alone): a ResNet-18 micro-step (ImageNet layout, 20 batch norms,
+   input 8 x 3 x 32 x 32, forward + cross-entropy backward + ``zero_grad``) with plain
+   ``nn.BatchNorm2d`` and with ``AccumBatchNorm2d`` (``convert_batchnorm``; its cycle never
+   ends, so every timed forward folds its moments into the cycle), eager and under
+   ``torch.compile`` (default mode, no graph cache: the first call's time is the compile
+   time, after a small model's compile has paid the process's one-time costs); graph breaks
+   counted with ``torch._dynamo.utils.counters``, and ours is compiled once more with
+   ``fullgraph=True``.
+
 Before timing, the fp32 cycle is cross-checked on the very objects that are then timed: after
 one cycle the weights of ours and of plain torch agree to < 1e-5 relative (per tensor, max |diff|
 / max |w|), after a second to < 1e-4 (Adam amplifies rounding there), with the same clipped
@@ -70,6 +79,7 @@ Usage:
     python benchmarks/torch_step.py                  # full run (~1-3 min on 2 cores)
     python benchmarks/torch_step.py --small          # small model and parameter set (seconds)
     OMP_NUM_THREADS=1 python benchmarks/torch_step.py --repeats 20 --json torch_step.json
+    OMP_NUM_THREADS=1 python benchmarks/torch_step.py --resnet   # section 5 (~10 min: compiles)
 """
 
 from __future__ import annotations
@@ -97,11 +107,11 @@ except ImportError:  # not run as a script from benchmarks/: cpu_core sits next 
 
 try:
     from gradient_accumulator._loader import load_core
-    from gradient_accumulator.torch import GradientAccumulateOptimizer
+    from gradient_accumulator.torch import GradientAccumulateOptimizer, convert_batchnorm
 except ImportError:  # run from a checkout: benchmarks/ sits next to the package
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from gradient_accumulator._loader import load_core
-    from gradient_accumulator.torch import GradientAccumulateOptimizer
+    from gradient_accumulator.torch import GradientAccumulateOptimizer, convert_batchnorm
 
 K = 8  # micro-batches per update
 LR, WD, MAX_NORM = 1e-3, 0.01, 1.0
@@ -155,6 +165,45 @@ def make_model(cfg: dict, dtype: torch.dtype) -> nn.Module:
         nn.Linear(cfg["d"], cfg["d_io"]),
     )
     return model.to(dtype)
+
+
+# ResNet-18 (He et al. 2016, ImageNet layout: 7x7 stem, max-pool, four stages of two basic
+# blocks, 20 batch norms), built here because torchvision is not a dependency. Input 32 x 32.
+BN_BATCH = (8, 3, 32, 32)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.down = None
+        if stride != 1 or c_in != c_out:
+            self.down = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+def resnet18(num_classes: int = 100) -> nn.Module:
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    c = 64
+    for c_out, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(c, c_out, stride), BasicBlock(c_out, c_out, 1)]
+        c = c_out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes)]
+    return nn.Sequential(*layers)
 
 
 def make_batches(cfg: dict, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -564,6 +613,102 @@ def bench_apply(shapes: list[tuple[int, ...]], repeats: int, warmup: int) -> lis
     return rows
 
 
+# ---- 5: batch norm on ResNet-18 ----
+
+
+def bench_resnet(repeats: int, warmup: int, compiled: bool) -> tuple[list, dict]:
+    """ResNet-18 micro-step (forward + backward + ``zero_grad``): plain ``nn.BatchNorm2d``
+    against ``AccumBatchNorm2d`` (``convert_batchnorm``, ``accum_steps`` never reached: every
+    timed forward folds its moments into the cycle), eager and under ``torch.compile``."""
+    torch.manual_seed(0)
+    plain = resnet18()
+    ours = convert_batchnorm(copy.deepcopy(plain), NEVER)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(BN_BATCH, generator=g)
+    y = torch.randint(0, 100, (BN_BATCH[0],), generator=g)
+
+    def micro(model: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            F.cross_entropy(model(x), y).backward()
+            model.zero_grad()
+
+        return run
+
+    # Same forward (each micro-batch normalised by its own statistics) and backward.
+    with torch.no_grad():
+        diff = float((plain(x) - ours(x)).abs().max())
+    assert diff < 1e-4, f"plain and ours disagree: {diff}"
+    names = dict(plain="plain nn.BatchNorm2d: fwd + bwd", ours="ours AccumBatchNorm2d: fwd + bwd")
+    res = round_robin(
+        {names["plain"]: (None, micro(plain)), names["ours"]: (None, micro(ours))},
+        repeats * 4,
+        warmup * 2,
+    )
+    rows = record("ResNet-18 micro-step, eager", res, names["ours"])
+    summary = dict(
+        batch=list(BN_BATCH),
+        eager_plain_ms=res[names["plain"]] * 1e3,
+        eager_ours_ms=res[names["ours"]] * 1e3,
+        eager_ratio=res[names["ours"]] / res[names["plain"]],
+    )
+    if not compiled:
+        return rows, summary
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    # Compile time from scratch each run: no graph cache from an earlier run.
+    inductor_config.force_disable_caches = True
+    # The process's first compile also pays one-time costs (imports, the C++ toolchain's first
+    # run): a small warm-up model pays them, so that neither timed compile does.
+    warm_up = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
+    torch.compile(warm_up)(x[:2]).sum().backward()
+    torch._dynamo.reset()
+    warm_s, breaks, runs = {}, {}, {}
+    for key, model in (("plain", plain), ("ours", ours)):
+        counters.clear()
+        fn = micro(torch.compile(model))
+        t0 = time.perf_counter()
+        fn()  # compiles forward and backward
+        warm_s[key] = time.perf_counter() - t0
+        breaks[key] = sum(counters["graph_break"].values())
+        runs[key] = fn
+    # fullgraph=True compiles (its graph is the one above): asserted, not timed.
+    torch.compile(ours, fullgraph=True)(x)
+    res_c = round_robin(
+        {names["plain"]: (None, runs["plain"]), names["ours"]: (None, runs["ours"])},
+        repeats * 4,
+        warmup * 2,
+    )
+    rows += record("ResNet-18 micro-step, torch.compile", res_c, names["ours"])
+    summary.update(
+        compiled_plain_ms=res_c[names["plain"]] * 1e3,
+        compiled_ours_ms=res_c[names["ours"]] * 1e3,
+        compiled_ratio=res_c[names["ours"]] / res_c[names["plain"]],
+        compile_plain_s=warm_s["plain"],
+        compile_ours_s=warm_s["ours"],
+        compile_ratio=warm_s["ours"] / warm_s["plain"],
+        graph_breaks_plain=breaks["plain"],
+        graph_breaks_ours=breaks["ours"],
+    )
+    return rows, summary
+
+
+def print_resnet_summary(s: dict) -> None:
+    line = (
+        f"ResNet-18 micro-step {tuple(s['batch'])}: eager ours {s['eager_ours_ms']:.1f} ms vs "
+        f"plain {s['eager_plain_ms']:.1f} ms ({s['eager_ratio']:.3f}x)"
+    )
+    if "compiled_ratio" in s:
+        line += (
+            f"; compiled ours {s['compiled_ours_ms']:.1f} ms vs plain "
+            f"{s['compiled_plain_ms']:.1f} ms ({s['compiled_ratio']:.3f}x), graph breaks "
+            f"{s['graph_breaks_ours']} (plain {s['graph_breaks_plain']}), first call (compile) "
+            f"{s['compile_ours_s']:.1f} s vs {s['compile_plain_s']:.1f} s "
+            f"({s['compile_ratio']:.2f}x)"
+        )
+    print(line)
+
+
 # ---- report ----
 
 
@@ -615,6 +760,14 @@ def main() -> None:
     )
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     ap.add_argument("--json", metavar="PATH", help="write machine info and results here")
+    ap.add_argument(
+        "--resnet",
+        action="store_true",
+        help="only section 5: ResNet-18 with AccumBatchNorm2d vs BatchNorm2d, eager and compiled",
+    )
+    ap.add_argument(
+        "--no-compile", action="store_true", help="with --resnet: eager rows only (no compile)"
+    )
     args = ap.parse_args()
     repeats = args.repeats if args.repeats is not None else (5 if args.small else 10)
     cfg = CONFIGS["small" if args.small else "full"]
@@ -628,6 +781,17 @@ def main() -> None:
             f"warning: load average {load[0]:.1f} before the run: with several threads per "
             "process, timings on a busy machine are erratic (try OMP_NUM_THREADS=1)"
         )
+    if args.resnet:
+        t0 = time.perf_counter()
+        rows, summary = bench_resnet(repeats, args.warmup, not args.no_compile)
+        print_table(rows)
+        print("\n* = ours; 'vs ours' = time / our time (> 1: ours is faster)")
+        print_resnet_summary(summary)
+        print(f"total benchmark time {time.perf_counter() - t0:.0f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(machine=info, repeats=repeats, results=rows, summary=summary), f)
+        return
     n_model = sum(p.numel() for p in make_model(cfg, torch.float32).parameters())
     n_tensors = len(list(make_model(cfg, torch.float32).parameters()))
     print(

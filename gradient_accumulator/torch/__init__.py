@@ -12,6 +12,7 @@ from gradient_accumulator.torch.batchnorm import (
     AccumBatchNorm1d,
     AccumBatchNorm2d,
     AccumBatchNorm3d,
+    AccumSyncBatchNorm,
     convert_batchnorm,
     flush_batchnorm,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "AccumBatchNorm1d",
     "AccumBatchNorm2d",
     "AccumBatchNorm3d",
+    "AccumSyncBatchNorm",
     "AccumulationState",
     "GradientAccumulateOptimizer",
     "accumulate",

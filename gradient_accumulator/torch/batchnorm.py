@@ -1,19 +1,31 @@
 """Accumulation-aware batch norm: running statistics updated once per cycle, from all micro-batches.
 
 Forward normalises with the micro-batch's own statistics (the layer cannot see the big batch).
-Each training forward adds the micro-batch's per-channel (count, mean, M2) to the cycle's moments
-(Chan's parallel formula, fp64, in the C++ core: on the device where the core has kernels, on the
-CPU and CUDA; through small host copies elsewhere); the ``accum_steps``-th forward updates
-``running_mean``, ``running_var`` and ``num_batches_tracked`` once, exactly as one
-``nn.BatchNorm*d`` forward over the concatenated big batch would (unbiased running variance,
-PyTorch's momentum convention, ``momentum=None`` as a cumulative average). Under
-torch.distributed the cycle's moments of all ranks are merged at the boundary with one small
-all_gather (``process_group``, default: the default group), so the statistics are those of the
-global big batch.
+Each training forward takes the micro-batch's per-channel mean and variance from torch's own
+fused batch-norm kernel (the one ``nn.BatchNorm*d`` runs: no second pass over the input) and
+merges them into the cycle's (count, mean, M2) in fp64 (Chan's parallel formula, in the C++
+core: on the device where the core has kernels, on the CPU and CUDA; through small host copies
+elsewhere); the ``accum_steps``-th forward updates ``running_mean``, ``running_var`` and
+``num_batches_tracked`` once, exactly as one ``nn.BatchNorm*d`` forward over the concatenated
+big batch would (unbiased running variance, PyTorch's momentum convention, ``momentum=None`` as
+a cumulative average). Under torch.distributed the cycle's moments of all ranks are merged at
+the boundary with one small all_gather (``process_group``, default: the default group), so the
+statistics are those of the global big batch.
+
+Precision: a micro-batch's moments are what torch's kernel computes for that input (for fp32
+input: accumulated in higher precision, rounded to fp32, as ``nn.BatchNorm*d`` itself does on the
+big batch); everything from there on is fp64. fp16/bf16 running statistics take their moments
+from an fp64 pass over the input instead.
+
+Under ``torch.compile`` (``fullgraph=True`` included) the normalisation is traced like
+``nn.BatchNorm*d``'s and the cycle's bookkeeping (merge, micro-step counter, the boundary's
+running update) runs as one registered custom op, ``gradient_accumulator::bn_fold``: no graph
+break.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -27,6 +39,7 @@ __all__ = [
     "AccumBatchNorm1d",
     "AccumBatchNorm2d",
     "AccumBatchNorm3d",
+    "AccumSyncBatchNorm",
     "convert_batchnorm",
     "flush_batchnorm",
 ]
@@ -70,13 +83,6 @@ def _torch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, m2
 
 
-_COMPILE_REASON = (
-    "AccumBatchNorm keeps its cycle bookkeeping (moment merge, micro-step counter, running-"
-    "statistics update) outside the compiled graph; compile the model without fullgraph=True "
-    "(the layer's normalisation itself is compiled)"
-)
-
-
 def layers_to_flush(model: nn.Module | None, index: dict[int, int]) -> list[nn.Module]:
     """The AccumBatchNorm layers an optimizer flushes with its own partial cycle, in an order
     every rank shares: those of ``model``, then the live layers whose affine weight the
@@ -93,6 +99,196 @@ def layers_to_flush(model: nn.Module | None, index: dict[int, int]) -> list[nn.M
     return layers + [m for _, m in held]
 
 
+def _input_moments(x: torch.Tensor) -> torch.Tensor:
+    """(mean, M2) of ``x`` per channel (axis 1), float64, stacked: the core's fp64 pass on the
+    CPU in eager mode, torch ops elsewhere."""
+    if core_runs_on(x.device, moments=True) and not torch.compiler.is_compiling():
+        c = x.shape[1]
+        out = torch.empty(2, c, dtype=torch.float64)
+        core.bn_moments(x.contiguous(), channels_axis=1, mean=out[0], m2=out[1])
+        return out
+    return torch.stack(_torch_moments(x))
+
+
+def _fold(m: Any, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
+    """Merge one micro-batch's moments (``mean`` and ``m2`` = Σ(x − mean)² per channel, float32
+    or float64, ``count`` values per channel)
+    into the cycle of ``m`` (a layer, or the custom op's view of one), count the micro-step and
+    end the cycle at the ``accum_steps``-th.
+
+    Runs on every training forward, so it reads the buffers once (a module's attribute lookup
+    is not free) and needs no autograd context (nothing here requires grad)."""
+    if m.accum_mean.dtype != torch.float64:  # e.g. after model.half()
+        for name in _MOMENTS:
+            setattr(m, name, getattr(m, name).double())
+    b = m._buffers if isinstance(m, nn.Module) else m.__dict__
+    acc_count, acc_mean, acc_m2, acc_step = (
+        b["accum_count"],
+        b["accum_mean"],
+        b["accum_m2"],
+        b["accum_step"],
+    )
+    if core_runs_on(acc_mean.device):
+        if mean.device != acc_mean.device:
+            mean, m2 = mean.to(acc_mean.device), m2.to(acc_mean.device)
+        total = core.bn_merge(float(acc_count), acc_mean, acc_m2, float(count), mean, m2)
+    else:  # no core kernels on this device: merge small host copies, copy the result back
+        h_mean, h_m2 = _host(acc_mean), _host(acc_m2)
+        total = core.bn_merge(float(acc_count), h_mean, h_m2, float(count), _host(mean), _host(m2))
+        acc_mean.copy_(h_mean)
+        acc_m2.copy_(h_m2)
+    acc_count.fill_(total)
+    acc_step.add_(1)
+    if int(acc_step) >= m.accum_steps:
+        _update_running(m)
+
+
+def _update_running(m: Any, collective: bool = False) -> None:
+    """Fold the cycle's merged moments of ``m`` into its running statistics and start a new
+    cycle.
+
+    Args:
+        collective: take part in the merge across ranks even with an empty local cycle
+            (a flush, which every rank makes, whatever it has seen).
+    """
+    with torch.no_grad():
+        if int(m.accum_step) == 0 and not (collective and m._multi_rank()):
+            return
+        _merge_across_ranks(m)
+        if float(m.accum_count) == 0:  # no rank saw a sample this cycle
+            m.accum_step.zero_()
+            return
+        m.num_batches_tracked += 1
+        if m.momentum is None:
+            factor = 1.0 / float(m.num_batches_tracked)
+        else:
+            factor = float(m.momentum)
+        count = float(m.accum_count)
+        if count > 1:
+            rm, rv = m.running_mean, m.running_var
+            if core_runs_on(rm.device):
+                mean, m2 = m.accum_mean, m.accum_m2
+                direct = rm.dtype in (torch.float32, torch.float64)
+                # fp16/bf16 statistics: an fp64 copy on the same device, rounded once back
+                rm_w = rm if direct else rm.double()
+                rv_w = rv if direct else rv.double()
+            else:  # no core kernels on this device: update host copies, copy the result back
+                mean, m2 = _host(m.accum_mean), _host(m.accum_m2)
+                direct = False
+                rm_w, rv_w = _host(rm), _host(rv)
+            core.bn_update_running(rm_w, rv_w, mean, m2, count, momentum=factor, unbiased=True)
+            if not direct:
+                rm.copy_(rm_w)
+                rv.copy_(rv_w)
+        m.accum_count.zero_()
+        m.accum_mean.zero_()
+        m.accum_m2.zero_()
+        m.accum_step.zero_()
+
+
+def _multi_rank(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _merge_across_ranks(m: Any) -> None:
+    """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
+    import torch.distributed as dist
+
+    if not m._multi_rank():
+        return
+    group = m.process_group
+    world = dist.get_world_size(group)
+    c = m.accum_mean.numel()
+    mine = torch.cat([m.accum_count.view(1), m.accum_mean, m.accum_m2])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    if not core_runs_on(mine.device):  # no core kernels there: merge on the host
+        gathered = [_host(g) for g in gathered]
+    counts = torch.stack([g[0] for g in gathered]).tolist()  # one read of the device
+    # Merged into rank 0's gathered copy (a buffer of its own), in rank order: every rank
+    # computes the same result.
+    count, mean, m2 = counts[0], gathered[0][1 : 1 + c], gathered[0][1 + c :]
+    for n, other in zip(counts[1:], gathered[1:]):
+        count = core.bn_merge(count, mean, m2, n, other[1 : 1 + c], other[1 + c :])
+    m.accum_count.fill_(count)
+    m.accum_mean.copy_(mean)
+    m.accum_m2.copy_(m2)
+
+
+# Layers by key, for the custom op (which takes tensors and numbers, not modules): the op reads
+# a layer's process group from here; everything it changes comes in as its own arguments.
+_BY_KEY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_KEY = [0]
+
+
+class _Held:
+    """The custom op's view of a layer: its cycle buffers as the op was given them."""
+
+    def __init__(self, key: int, **tensors: Any) -> None:
+        self.__dict__.update(tensors)
+        layer = _BY_KEY.get(key)
+        self.process_group = None if layer is None else layer.process_group
+        self._layer = layer
+
+    def _multi_rank(self) -> bool:
+        if self._layer is not None:
+            return self._layer._multi_rank()
+        return _multi_rank(self.process_group)
+
+
+# Defined with torch.library's low-level API (a schema and a kernel) rather than
+# torch.library.custom_op, whose Python wrappers cost ~100 µs a call: the compiled graph calls
+# this op on every training forward of every layer.
+_LIB = torch.library.Library("gradient_accumulator", "DEF")
+_LIB.define(
+    "bn_fold(Tensor mean, Tensor m2, SymInt count, Tensor(a!) accum_count, "
+    "Tensor(b!) accum_mean, Tensor(c!) accum_m2, Tensor(d!) accum_step, "
+    "Tensor(e!) running_mean, Tensor(f!) running_var, Tensor(g!) num_batches_tracked, "
+    "SymInt accum_steps, float? momentum, SymInt key) -> ()"
+)
+
+
+def _bn_fold_kernel(
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    count: int,
+    accum_count: torch.Tensor,
+    accum_mean: torch.Tensor,
+    accum_m2: torch.Tensor,
+    accum_step: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    num_batches_tracked: torch.Tensor,
+    accum_steps: int,
+    momentum: float | None,
+    key: int,
+) -> None:
+    """AccumBatchNorm's per-micro-step bookkeeping as one op (what the eager forward runs)."""
+    held = _Held(
+        key,
+        accum_count=accum_count,
+        accum_mean=accum_mean,
+        accum_m2=accum_m2,
+        accum_step=accum_step,
+        running_mean=running_mean,
+        running_var=running_var,
+        num_batches_tracked=num_batches_tracked,
+        accum_steps=accum_steps,
+        momentum=momentum,
+    )
+    _fold(held, mean, m2, count)
+
+
+_LIB.impl("bn_fold", _bn_fold_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("gradient_accumulator::bn_fold", lib=_LIB)
+def _bn_fold_fake(*args: Any) -> None:
+    return None
+
+
 class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 
@@ -105,7 +301,18 @@ class _AccumBatchNormMixin:
         self.register_buffer("accum_mean", torch.zeros(c, dtype=torch.float64, device=device))
         self.register_buffer("accum_m2", torch.zeros(c, dtype=torch.float64, device=device))
         self.register_buffer("accum_step", torch.zeros((), dtype=torch.long, device=device))
+        self._register()
+
+    def _register(self) -> None:
         _LIVE.add(self)
+        self._ga_key = _NEXT_KEY[0]
+        _NEXT_KEY[0] += 1
+        _BY_KEY[self._ga_key] = self
+
+    def __setstate__(self, state: dict) -> None:
+        # A deep copy or an unpickled layer is a layer of its own: its own key, and live.
+        super().__setstate__(state)
+        self._register()
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202
         # model.to(dtype) / .half() would round the cycle's float64 moments; they follow the
@@ -142,121 +349,66 @@ class _AccumBatchNormMixin:
                 0.0,
                 self.eps,
             )
-        out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if self.training and self.track_running_stats:
-            self._accumulate_moments(input.detach())
+        if not (self.training and self.track_running_stats):
+            return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        c = self.num_features
+        count = input.numel() // c
+        rm = self._buffers["running_mean"]
+        compiling = torch.compiler.is_compiling()
+        if rm.dtype not in (torch.float32, torch.float64):
+            # fp16/bf16 statistics: fp64 moments from a pass of their own
+            out = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            moments = _input_moments(input.detach())
+            mean, m2 = moments[0], moments[1]
+        elif input.device.type == "cpu" and not compiling:
+            # torch's kernel computes the micro-batch's moments in the pass that normalises and
+            # returns the mean; with momentum n − 1 its "running variance" update turns a zero
+            # buffer into (n − 1)·(unbiased variance) = M2 (its running mean, (n − 1)·mean, is
+            # not used). No extra read of the input and no op beyond the buffers' allocation.
+            if count <= 1:
+                raise ValueError(
+                    "Expected more than 1 value per channel when training, got input size "
+                    f"{input.size()}"
+                )
+            scaled_mean, m2 = torch.zeros(2, c, dtype=rm.dtype).unbind()
+            out, mean, _ = torch.native_batch_norm(
+                input, self.weight, self.bias, scaled_mean, m2, True, float(count - 1), self.eps
+            )
+        else:
+            # Elsewhere (and when traced) through F.batch_norm, as nn.BatchNorm*d: fresh zero
+            # "running" buffers with momentum 1 receive the mean and the unbiased variance.
+            stats = torch.zeros(2, c, dtype=rm.dtype, device=rm.device)
+            out = F.batch_norm(
+                input, stats[0], stats[1], self.weight, self.bias, True, 1.0, self.eps
+            )
+            moments = stats.to(torch.float64)
+            moments[1].mul_(count - 1)
+            mean, m2 = moments[0], moments[1]
+        if compiling:
+            torch.ops.gradient_accumulator.bn_fold(
+                mean,
+                m2,
+                count,
+                self.accum_count,
+                self.accum_mean,
+                self.accum_m2,
+                self.accum_step,
+                self.running_mean,
+                self.running_var,
+                self.num_batches_tracked,
+                self.accum_steps,
+                self.momentum,
+                self._ga_key,
+            )
+        else:
+            _fold(self, mean, m2, count)
         return out
 
-    # Host-side cycle bookkeeping (the core's moment merge, the micro-step counter, the once-per-
-    # cycle running-statistics update) stays out of torch.compile's graph on purpose: traced, the
-    # in-place counter update is dropped and the running statistics never move. Under compile
-    # the forward breaks the graph here and runs this part eagerly.
-    @torch.compiler.disable(reason=_COMPILE_REASON)
-    @torch.no_grad()
-    def _accumulate_moments(self, x: torch.Tensor) -> None:
-        if self.accum_mean.dtype != torch.float64:  # e.g. after model.half()
-            for name in ("accum_count", "accum_mean", "accum_m2"):
-                setattr(self, name, getattr(self, name).double())
-        count = x.numel() // x.shape[1]
-        if core_runs_on(x.device, moments=True):
-            mean, m2, count = core.bn_moments(
-                x.contiguous(),
-                channels_axis=1,
-                mean=torch.empty(self.num_features, dtype=torch.float64),
-                m2=torch.empty(self.num_features, dtype=torch.float64),
-            )
-        else:
-            mean, m2 = _torch_moments(x)
-        if core_runs_on(self.accum_mean.device):
-            mean, m2 = mean.to(self.accum_mean.device), m2.to(self.accum_mean.device)
-            total = core.bn_merge(
-                float(self.accum_count), self.accum_mean, self.accum_m2, float(count), mean, m2
-            )
-        else:  # no core kernels on this device: merge small host copies, copy the result back
-            acc_mean, acc_m2 = _host(self.accum_mean), _host(self.accum_m2)
-            total = core.bn_merge(
-                float(self.accum_count), acc_mean, acc_m2, float(count), _host(mean), _host(m2)
-            )
-            self.accum_mean.copy_(acc_mean)
-            self.accum_m2.copy_(acc_m2)
-        self.accum_count.fill_(total)
-        self.accum_step += 1
-        if int(self.accum_step) >= self.accum_steps:
-            self._update_running()
-
-    @torch.no_grad()
     def _update_running(self, collective: bool = False) -> None:
-        """Fold the cycle's merged moments into the running statistics and start a new cycle.
-
-        Args:
-            collective: take part in the merge across ranks even with an empty local cycle
-                (a flush, which every rank makes, whatever it has seen).
-        """
-        if int(self.accum_step) == 0 and not (collective and self._multi_rank()):
-            return
-        self._merge_across_ranks()
-        if float(self.accum_count) == 0:  # no rank saw a sample this cycle
-            self.accum_step.zero_()
-            return
-        self.num_batches_tracked += 1
-        if self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked)
-        else:
-            factor = float(self.momentum)
-        count = float(self.accum_count)
-        if count > 1:
-            rm, rv = self.running_mean, self.running_var
-            if core_runs_on(rm.device):
-                mean, m2 = self.accum_mean, self.accum_m2
-                direct = rm.dtype in (torch.float32, torch.float64)
-                # fp16/bf16 statistics: an fp64 copy on the same device, rounded once back
-                rm_w = rm if direct else rm.double()
-                rv_w = rv if direct else rv.double()
-            else:  # no core kernels on this device: update host copies, copy the result back
-                mean, m2 = _host(self.accum_mean), _host(self.accum_m2)
-                direct = False
-                rm_w, rv_w = _host(rm), _host(rv)
-            core.bn_update_running(rm_w, rv_w, mean, m2, count, momentum=factor, unbiased=True)
-            if not direct:
-                rm.copy_(rm_w)
-                rv.copy_(rv_w)
-        self.accum_count.zero_()
-        self.accum_mean.zero_()
-        self.accum_m2.zero_()
-        self.accum_step.zero_()
+        _update_running(self, collective)
 
     def _multi_rank(self) -> bool:
-        import torch.distributed as dist
-
-        return (
-            dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(self.process_group) > 1
-        )
-
-    def _merge_across_ranks(self) -> None:
-        """Under torch.distributed, merge every rank's cycle moments (one all_gather)."""
-        import torch.distributed as dist
-
-        if not self._multi_rank():
-            return
-        group = self.process_group
-        world = dist.get_world_size(group)
-        c = self.num_features
-        mine = torch.cat([self.accum_count.view(1), self.accum_mean, self.accum_m2])
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=group)
-        if not core_runs_on(mine.device):  # no core kernels there: merge on the host
-            gathered = [_host(g) for g in gathered]
-        counts = torch.stack([g[0] for g in gathered]).tolist()  # one read of the device
-        # Merged into rank 0's gathered copy (a buffer of its own), in rank order: every rank
-        # computes the same result.
-        count, mean, m2 = counts[0], gathered[0][1 : 1 + c], gathered[0][1 + c :]
-        for n, other in zip(counts[1:], gathered[1:]):
-            count = core.bn_merge(count, mean, m2, n, other[1 : 1 + c], other[1 + c :])
-        self.accum_count.fill_(count)
-        self.accum_mean.copy_(mean)
-        self.accum_m2.copy_(m2)
+        return _multi_rank(self.process_group)
 
     def flush(self) -> None:
         """Apply a partial cycle's statistics now (end of data).
@@ -336,21 +488,90 @@ class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
         self._init_accum(accum_steps, process_group)
 
 
+class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.modules.batchnorm._BatchNorm):
+    """The accumulating counterpart of ``nn.SyncBatchNorm``: running statistics of the global
+    big batch.
+
+    What ``convert_batchnorm`` makes of an ``nn.SyncBatchNorm``. The running statistics are
+    merged across the ranks of ``process_group`` (default: the default group) once per cycle,
+    with one small all_gather, and equal those of torch's ``SyncBatchNorm`` on the global big
+    batch (all ranks' micro-batches of the cycle together). The training forward normalises
+    with the rank's own micro-batch statistics, like ``AccumBatchNorm*d`` and like a plain
+    ``BatchNorm`` under DDP: no collective per micro-batch (``SyncBatchNorm`` normalises with
+    the statistics of the micro-batch across ranks, two collectives per layer and micro-batch,
+    on GPUs only). Accepts inputs of rank 2 and more, like ``SyncBatchNorm``. It is not a
+    subclass of ``nn.SyncBatchNorm`` (DDP refuses those on the CPU).
+
+    Example:
+        >>> import torch
+        >>> bn = AccumSyncBatchNorm(3, accum_steps=2)
+        >>> _ = bn(torch.randn(4, 3, 5)); _ = bn(torch.randn(2, 3, 5))
+        >>> int(bn.num_batches_tracked)
+        1
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *args: Any,
+        accum_steps: int = 1,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
+        super().__init__(num_features, *args, **kwargs)
+        self._init_accum(accum_steps, process_group)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
 _TARGETS = {
     nn.BatchNorm1d: AccumBatchNorm1d,
     nn.BatchNorm2d: AccumBatchNorm2d,
     nn.BatchNorm3d: AccumBatchNorm3d,
+    nn.SyncBatchNorm: AccumSyncBatchNorm,
 }
 
 
+def _uninitialized_lazy(m: nn.Module) -> bool:
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    return isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+
+
+def _batchnorm_like(m: nn.Module) -> bool:
+    """A batch norm that updates running statistics in its forward, other than ours."""
+    if isinstance(m, _AccumBatchNormMixin):
+        return False
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return True
+    name = type(m).__name__.lower()
+    return (
+        "batchnorm" in name
+        and "frozen" not in name
+        and isinstance(getattr(m, "running_mean", None), torch.Tensor)
+    )
+
+
 def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its AccumBatchNorm counterpart.
+    """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by its
+    accumulating counterpart (``AccumBatchNorm1d/2d/3d``, ``AccumSyncBatchNorm``).
 
     Affine parameters, running statistics and ``num_batches_tracked`` are copied (no tensor
-    is shared with the old layer); ``requires_grad`` and the training mode are kept.
+    is shared with the old layer); ``requires_grad``, the training mode and a
+    ``SyncBatchNorm``'s ``process_group`` are kept. A ``LazyBatchNorm*d`` is converted once a
+    forward has materialised it (it is then a ``BatchNorm*d``); before that it is refused. Any
+    other batch-norm-like layer (a subclass of ``BatchNorm*d`` with a forward of its own, a
+    third-party batch norm) is left alone with a warning: its running statistics keep updating
+    on every micro-batch. A later ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` keeps the
+    converted layers (see ``AccumSyncBatchNorm``).
 
     Returns:
         The converted module (``module`` itself, changed in place, unless it is a BatchNorm).
+
+    Raises:
+        ValueError: ``module`` holds an uninitialised lazy batch norm (nothing is converted).
 
     Example:
         >>> from torch import nn
@@ -361,8 +582,20 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     accum_steps = _validation.check_accum_steps(accum_steps)
+    for name, m in module.named_modules():
+        if _uninitialized_lazy(m) and _batchnorm_like(m):
+            raise ValueError(
+                f"module: {name or 'the module'} is an uninitialised {type(m).__name__}; run "
+                "one forward (e.g. on a sample batch, in eval mode) to materialise it, then "
+                "call convert_batchnorm"
+            )
+    return _convert(module, accum_steps, "")
+
+
+def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
     target = _TARGETS.get(type(module))
     if target is not None:
+        extra = {"process_group": module.process_group} if target is AccumSyncBatchNorm else {}
         new = target(
             module.num_features,
             eps=module.eps,
@@ -370,6 +603,7 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
             affine=module.affine,
             track_running_stats=module.track_running_stats,
             accum_steps=accum_steps,
+            **extra,
         ).to(device=next(iter(module.state_dict().values()), torch.empty(0)).device)
         with torch.no_grad():
             if module.affine:
@@ -385,9 +619,42 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
             new = new.to(dtype=module.weight.dtype)
         new.train(module.training)
         return new
+    if _batchnorm_like(module):
+        warnings.warn(
+            f"convert_batchnorm leaves {path or 'the module'} ({type(module).__name__}) as it "
+            "is: its running statistics update on every micro-batch, not once per cycle. "
+            "Replace it by an AccumBatchNorm layer yourself if it is a plain batch norm",
+            UserWarning,
+            stacklevel=3,
+        )
+        return module
     for name, child in module.named_children():
-        setattr(module, name, convert_batchnorm(child, accum_steps))
+        setattr(module, name, _convert(child, accum_steps, f"{path}.{name}" if path else name))
     return module
+
+
+# torch's SyncBatchNorm.convert_sync_batchnorm replaces every _BatchNorm, ours included, by a
+# SyncBatchNorm that shares our running statistics and updates them on every micro-batch. Ours
+# already merge across ranks once per cycle: the converter keeps them (in the process group it
+# is given) and converts everything else as torch does.
+_INSTALLED = nn.SyncBatchNorm.__dict__["convert_sync_batchnorm"].__func__
+_TORCH_CONVERT_SYNC = (
+    _INSTALLED.__wrapped__ if getattr(_INSTALLED, "_keeps_accum_batchnorm", False) else _INSTALLED
+)
+
+
+def _convert_sync_keeping_ours(cls: type, module: nn.Module, process_group: Any = None) -> Any:
+    """torch's ``SyncBatchNorm.convert_sync_batchnorm``, except that AccumBatchNorm layers are
+    kept (they merge their statistics across the ranks of ``process_group`` once per cycle)."""
+    if isinstance(module, _AccumBatchNormMixin):
+        module.process_group = process_group
+        return module
+    return _TORCH_CONVERT_SYNC(cls, module, process_group)
+
+
+_convert_sync_keeping_ours._keeps_accum_batchnorm = True  # type: ignore[attr-defined]
+_convert_sync_keeping_ours.__wrapped__ = _TORCH_CONVERT_SYNC  # type: ignore[attr-defined]
+nn.SyncBatchNorm.convert_sync_batchnorm = classmethod(_convert_sync_keeping_ours)
 
 
 def flush_batchnorm(module: nn.Module) -> None:

@@ -240,3 +240,99 @@ def test_accum_batchnorm_rejects_bad_accum_steps(bad):
         AccumBatchNorm2d(C, accum_steps=bad)
     with pytest.raises((ValueError, TypeError), match="accum_steps"):
         convert_batchnorm(nn.BatchNorm1d(C), bad)
+
+
+def test_deep_copied_layer_is_flushed_by_the_optimizer_holding_its_weights(rel_err):
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+    model = nn.Sequential(nn.Linear(4, C), AccumBatchNorm1d(C, accum_steps=4))
+    twin = copy.deepcopy(model)  # a layer of its own (not built by __init__)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1), 4)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    twin(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.flush()  # the optimizer was not given the model: it finds the layer by its weight
+    assert int(twin[1].num_batches_tracked) == 1 and int(twin[1].accum_step) == 0
+    assert int(model[1].num_batches_tracked) == 0
+    ref = nn.BatchNorm1d(C).double()
+    ref(model[0](x).detach().double())
+    assert rel_err(twin[1].running_var, ref.running_var) <= 1e-6
+
+
+def test_convert_batchnorm_converts_sync_batchnorm(rel_err):
+    from gradient_accumulator.torch import AccumSyncBatchNorm
+
+    group = object()  # stands for a process group (not used without torch.distributed)
+    sync = nn.SyncBatchNorm(C, momentum=0.2, eps=1e-3, process_group=group)
+    _randomise_affine(sync)
+    sync.running_mean.fill_(0.5)
+    model = convert_batchnorm(nn.Sequential(nn.Identity(), sync), 2)
+    bn = model[1]
+    assert type(bn) is AccumSyncBatchNorm
+    assert bn.process_group is group and bn.accum_steps == 2
+    assert (bn.eps, bn.momentum) == (1e-3, 0.2)
+    assert torch.equal(bn.weight, sync.weight) and torch.equal(bn.running_mean, sync.running_mean)
+    bn.process_group = None  # single process from here on
+    ref = nn.BatchNorm1d(C, momentum=0.2, eps=1e-3).double()
+    ref.load_state_dict(_plain_state(bn))
+    xs = [_inputs(3, (4,), seed=1), _inputs(5, (4,), seed=2)]
+    model(xs[0])
+    assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean, sync.running_mean)
+    model(xs[1])
+    ref(torch.cat(xs).double())
+    assert int(bn.num_batches_tracked) == 1
+    assert rel_err(bn.running_mean, ref.running_mean) <= 1e-6
+    assert rel_err(bn.running_var, ref.running_var) <= 1e-6
+
+
+def test_convert_batchnorm_refuses_an_uninitialised_lazy_batchnorm():
+    model = nn.Sequential(nn.BatchNorm1d(C), nn.Sequential(nn.LazyBatchNorm1d()))
+    with pytest.raises(ValueError, match=r"1\.0 is an uninitialised LazyBatchNorm1d"):
+        convert_batchnorm(model, 2)
+    assert type(model[0]) is nn.BatchNorm1d  # nothing was converted
+    model.eval()(_inputs(2, (), seed=0))  # materialised: now a BatchNorm1d
+    convert_batchnorm(model, 2)
+    assert type(model[0]) is type(model[1][0]) is AccumBatchNorm1d
+
+
+class _MyBatchNorm(nn.BatchNorm2d):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _ThirdPartyBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(C))
+        self.register_buffer("running_var", torch.ones(C))
+
+
+def test_convert_batchnorm_warns_for_batchnorm_layers_it_leaves_alone():
+    model = nn.Sequential(nn.BatchNorm2d(C), nn.Sequential(_MyBatchNorm(C)), _ThirdPartyBatchNorm())
+    with pytest.warns(UserWarning) as record:
+        convert_batchnorm(model, 2)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2
+    assert "1.0 (_MyBatchNorm)" in messages[0] and "every micro-batch" in messages[0]
+    assert "2 (_ThirdPartyBatchNorm)" in messages[1]
+    assert type(model[0]) is AccumBatchNorm2d and type(model[1][0]) is _MyBatchNorm
+
+
+def test_convert_sync_batchnorm_keeps_accum_batchnorm(rel_err):
+    group = object()
+    model = convert_batchnorm(nn.Sequential(nn.BatchNorm1d(C), nn.LayerNorm(C)), 2)
+    model.add_module("plain", nn.BatchNorm1d(C))
+    ours = model[0]
+    out = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+    assert out is model and model[0] is ours and ours.process_group is group
+    assert type(model.plain) is nn.SyncBatchNorm  # everything else as torch converts it
+    assert type(nn.SyncBatchNorm.convert_sync_batchnorm(ours)) is AccumBatchNorm1d
+    ours.process_group = None
+    xs = [_inputs(4, (), seed=7), _inputs(6, (), seed=8)]
+    for x in xs:
+        ours(x)
+    ref = nn.BatchNorm1d(C).double()
+    ref(torch.cat(xs).double())
+    assert int(ours.num_batches_tracked) == 1
+    assert rel_err(ours.running_var, ref.running_var) <= 1e-6

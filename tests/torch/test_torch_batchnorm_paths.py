@@ -236,3 +236,26 @@ def test_no_python_copy_of_chans_merge():
     source = pathlib.Path(bn_mod.__file__).read_text()
     assert "delta * delta" not in source
     assert "accum_m2 +=" not in source and "accum_mean +=" not in source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp32_and_fp64_moments_come_from_the_normalising_pass(dtype, rel_err, monkeypatch):
+    """No second pass over the input: the micro-batch's moments are the ones torch's fused
+    batch-norm kernel computes while normalising (fp32 running statistics: exact to fp32
+    rounding; fp64: to fp64 rounding)."""
+    passes = []
+    moments = core.bn_moments
+
+    def spy(*a, **kw):
+        passes.append(1)
+        return moments(*a, **kw)
+
+    monkeypatch.setattr(core, "bn_moments", spy)
+    monkeypatch.setattr(bn_mod, "_torch_moments", lambda x: pytest.fail("second pass"))
+    acc_cls, plain_cls, tail = CASES["2d"]
+    bn, _ = _run(acc_cls, tail, 0.1, dtype=dtype)
+    assert not passes
+    ref = _reference(plain_cls, tail, 0.1, dtype=dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    assert rel_err(bn.running_mean, ref.running_mean) <= tol
+    assert rel_err(bn.running_var, ref.running_var) <= tol
