@@ -25,6 +25,7 @@ class TensorSet:
     def writable(self) -> bool: ...
     @property
     def is_cuda(self) -> bool: ...
+
 def accumulate(
     accumulators: Sequence[Any],
     grads: Sequence[Any],
