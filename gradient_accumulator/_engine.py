@@ -48,6 +48,10 @@ def clip_coef(norm: Any, max_norm: float) -> Any:
     return coef.clamp(max=1.0) if isinstance(coef, torch.Tensor) else min(1.0, coef)
 
 
+class SplitFold(Exception):
+    """:meth:`Cycle.fold` with ``single_call`` would need two accumulate calls (nothing done)."""
+
+
 class Cycle:
     """One accumulation cycle over a fixed list of fp32 accumulators.
 
@@ -83,6 +87,9 @@ class Cycle:
         self.early_index: set[int] = set()
         # The weight of the coming micro-batch when it was named before its backward.
         self.named_weight: float | None = None
+        # Registered sets of accumulators (core.tensor_set), by the indices they hold: a call
+        # then checks each accumulator in a fraction of what exporting it costs.
+        self._sets: dict[tuple[int, ...], Any] = {}
         self.reset()
 
     @property
@@ -111,6 +118,21 @@ class Cycle:
     def boundary_next(self) -> bool:
         """Whether the next micro-step ends the cycle."""
         return self.micro_step + 1 >= self.accum_steps
+
+    def acc_set(self, index: Sequence[int]) -> Any:
+        """The accumulators ``index`` as a registered tensor set (made on first use)."""
+        key = tuple(index)
+        found = self._sets.get(key)
+        if found is None:
+            if len(self._sets) > 64:  # index sets that keep changing: keep the cache bounded
+                self._sets.clear()
+            found = self._sets[key] = core.tensor_set([self.accs[i] for i in key])
+        return found
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_sets"] = {}  # sets are registrations of this process's tensors, made again
+        return state
 
     def seen_index(self) -> list[int]:
         """The accumulators that hold a gradient of this cycle."""
@@ -172,6 +194,7 @@ class Cycle:
         *,
         norm: bool,
         held: Sequence[int] = (),
+        single_call: bool = False,
     ) -> None:
         """Fold one micro-step's gradients (``None``: no gradient for that accumulator).
 
@@ -179,13 +202,18 @@ class Cycle:
         also keep Σacc² of the result (the boundary's clip norm and finiteness check, for free).
         ``held``: accumulators that already hold this micro-step's gradient, weighted (autograd
         added it into them); they count as having one. Everything is checked by the core before
-        anything is written.
+        anything is written. ``single_call``: raise :class:`SplitFold` (nothing done) where the
+        gradients would take two accumulate calls, so that a refused gradient in the second
+        could not leave the first applied: callers that pass gradients unchecked retry checked.
         """
         early = self.early
         first = self.micro_step == 0 or (
             self.reduction == "running_mean" and self.total_weight == 0 and not early
         )
-        fresh_a, fresh_g, add_a, add_g = [], [], [], []
+        fresh_g: list[Any] = []
+        add_g: list[Any] = []
+        fresh_i: list[int] = []
+        add_i: list[int] = []
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -195,22 +223,24 @@ class Cycle:
             # overwritten: the parameter's later backward in the same micro-step.
             later = not first and (self.seen[i] or self.reduction == "running_mean")
             if later or i in self.early_index:
-                add_a.append(self.accs[i])
+                add_i.append(i)
                 add_g.append(g)
             else:
-                fresh_a.append(self.accs[i])
+                fresh_i.append(i)
                 fresh_g.append(g)
+        if single_call and fresh_i and add_i:
+            raise SplitFold
         # A running mean over a total weight of 0 is empty: the next weighted micro-step starts
         # it afresh (zero-weight micro-steps only count).
         empty = self._mode == "running_mean" and self.total_weight + weight == 0 and not early
         if empty:
-            fresh_a, fresh_g, add_a, add_g = [], [], [], []
+            fresh_i, fresh_g, add_i, add_g = [], [], [], []
         nonfinite, sumsq = False, 0.0
-        for accs, gs, overwrite in ((fresh_a, fresh_g, True), (add_a, add_g, False)):
-            if not accs:
+        for idx, gs, overwrite in ((fresh_i, fresh_g, True), (add_i, add_g, False)):
+            if not idx:
                 continue
             r = core.accumulate(
-                accs,
+                self.acc_set(idx),
                 gs,
                 weight=weight,
                 mode=self._mode,

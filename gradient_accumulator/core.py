@@ -1,9 +1,12 @@
 """Functional API over the compiled core.
 
 Every function takes tensors from any framework that speaks DLPack (NumPy, PyTorch, JAX,
-TensorFlow) and works on their memory in place; nothing is copied. Tensors must be contiguous;
-lists must match in length and element counts. Bad input raises ``ValueError`` or ``TypeError``
-naming the argument, and leaves every buffer as it was.
+TensorFlow) and works on their memory in place; nothing is copied. Tensors must be dense: C
+contiguous, or a permutation of it such as channels-last, where the tensors updated together
+(an accumulator and its gradient, a parameter and its optimizer state) share one layout. Lists
+must match in length and element counts. A list may be replaced by a set of tensors registered
+once (:func:`tensor_set`), which takes the per-tensor export and checks out of every call. Bad
+input raises ``ValueError`` or ``TypeError`` naming the argument, and leaves every buffer as it was.
 
 Outputs (accumulators, parameters, optimizer states, statistics) must be writable by the caller:
 read-only arrays (the DLPack 1.x read-only flag), JAX arrays and TensorFlow tensors (immutable
@@ -59,6 +62,7 @@ __all__ = [
     "has_cuda",
     "register_cuda_adapter",
     "sum_of_squares",
+    "tensor_set",
     "unit_layout",
     "unitwise_norm",
     "zero",
@@ -223,7 +227,46 @@ def _stream(adapter: Any, t: Any) -> int:
 def _first(tensors: Any) -> Any:
     if isinstance(tensors, (list, tuple)) and tensors:
         return tensors[0]
+    if type(tensors).__name__ == "TensorSet" and len(tensors):
+        return None if not tensors.is_cuda else tensors[0]  # CPU sets need no adapter
     return None
+
+
+def tensor_set(tensors: Sequence[Tensor], *, writable: bool = True) -> Any:
+    """Register ``tensors`` once for many calls: a set any function here takes in place of a list.
+
+    A call on a list exports every tensor through DLPack and checks it (its dtype, device,
+    layout, whether it may be written), which costs microseconds per tensor — more than the
+    arithmetic on small tensors. A set is checked once, here; each call then re-checks only what
+    can have changed since, through the tensor's own cheap accessors (for PyTorch tensors: that
+    it is alive, its dtype, shape, strides and data pointer), and refuses a tensor that was
+    freed, resized, re-allocated, moved to another device or given another dtype or layout with
+    a ``ValueError`` naming it, before anything is read or written. Tensors of other frameworks
+    are exported and checked on every call, as in a list.
+
+    The set holds its tensors weakly: it keeps none of them alive. A list of PyTorch gradients
+    passed beside a set of accumulators (``accumulate(acc_set, grads)``) is read through the
+    same accessors when each gradient has its accumulator's shape and layout.
+
+    Args:
+        tensors: a list or tuple of tensors (not DLPack capsules, which can be read once).
+        writable: whether calls may write the tensors (checked here: read-only arrays, JAX and
+            TensorFlow tensors and the other outputs the functions refuse are refused); a set
+            registered with ``writable=False`` is refused where a call writes.
+
+    Returns:
+        An opaque ``TensorSet``: ``len(s)``, ``s[i]`` (the tensor, or None once freed),
+        ``s.writable`` and ``s.is_cuda``.
+
+    Example:
+        >>> import numpy as np
+        >>> acc = [np.zeros(2, np.float32)]
+        >>> accs = core.tensor_set(acc)
+        >>> _ = core.accumulate(accs, [np.ones(2, np.float32)], weight=3.0)
+        >>> acc[0]
+        array([3., 3.], dtype=float32)
+    """
+    return load_core().TensorSet(tensors, bool(writable), "tensors")
 
 
 def accumulate(
@@ -401,6 +444,13 @@ def unitwise_norm(tensor: Tensor, *, layout: str = "leading", out: Tensor | None
 def _units(
     tensors: Sequence[Tensor], layout: str | Sequence[tuple[int, str]], name: str = "params"
 ) -> list:
+    if type(tensors).__name__ == "TensorSet":
+        # A set's shapes are fixed (a call refuses a resized tensor): its units are worked out once.
+        key = layout if isinstance(layout, str) else tuple(map(tuple, layout))
+        cache = tensors.__dict__.setdefault("_units", {})
+        if key not in cache:
+            cache[key] = _units([tensors[i] for i in range(len(tensors))], layout, name)
+        return cache[key]
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     shapes = [_shape(t, f"{name}[{i}]") for i, t in enumerate(tensors)]

@@ -148,7 +148,10 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
   }
   if (agc) {
     for (int64_t i = 0; i < t.accumulators.size; ++i)
-      check_units(t.accumulators.tensors[i], o.units[i], item("units", i));
+      if (o.units[i].num_units < 1 || t.accumulators.tensors[i].numel % o.units[i].num_units != 0 ||
+          (raw_enum(o.units[i].layout) != kGaUnitsLeading &&
+           raw_enum(o.units[i].layout) != kGaUnitsTrailing))
+        check_units(t.accumulators.tensors[i], o.units[i], item("units", i));
   }
   // float32 accumulators are applied in float32 (float64 ones in double): every scalar that
   // float kernel multiplies with must keep its value there, or the update would silently use
@@ -213,7 +216,8 @@ ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_a
       unit_offset.resize(static_cast<size_t>(t.accumulators.size));
       for (int64_t i = 0; i < t.accumulators.size; ++i) {
         unit_offset[i] = total;
-        total = checked_add(total, units_of(i), item("units", i));
+        const int64_t n = units_of(i);
+        total = n <= INT64_MAX - total ? total + n : checked_add(total, n, item("units", i));
       }
       unit_scale.resize(static_cast<size_t>(total));
       unit_scale64.resize(static_cast<size_t>(total));

@@ -83,7 +83,18 @@ void check_list(const ga_tensor_list& list, const std::string& name) {
   if (list.size < 0) fail(kGaInvalidArgument, name, name + " has a negative length");
   if (list.size > 0 && list.tensors == nullptr)
     fail(kGaInvalidArgument, name, name + " is a null list");
-  for (int64_t i = 0; i < list.size; ++i) check_tensor(list.tensors[i], item(name, i));
+  // The names are built only for a tensor that fails: calls on many tensors pay per tensor.
+  for (int64_t i = 0; i < list.size; ++i) {
+    const ga_tensor& t = list.tensors[i];
+    const int64_t dtype = raw_enum(t.dtype), device = raw_enum(t.device_type);
+    const bool plain =
+        dtype >= kGaFloat32 && dtype <= kGaFloat64 && t.numel >= 0 &&
+        (device == kGaCPU || device == kGaCUDA) &&
+        (t.numel == 0 || (t.data != nullptr && t.numel < (int64_t{1} << 40) &&
+                          reinterpret_cast<uintptr_t>(t.data) % ga_dtype_size(t.dtype) == 0 &&
+                          reinterpret_cast<uintptr_t>(t.data) < (uintptr_t{1} << 62)));
+    if (!plain) check_tensor(t, item(name, i));
+  }
 }
 
 void check_same_sizes(const ga_tensor_list& a, const std::string& a_name, const ga_tensor_list& b,
@@ -113,7 +124,9 @@ void check_dtype_in(const ga_tensor& t, const std::string& name,
 
 void check_list_dtype_in(const ga_tensor_list& l, const std::string& name,
                          std::initializer_list<ga_dtype> allowed) {
-  for (int64_t i = 0; i < l.size; ++i) check_dtype_in(l.tensors[i], item(name, i), allowed);
+  for (int64_t i = 0; i < l.size; ++i)
+    if (std::find(allowed.begin(), allowed.end(), l.tensors[i].dtype) == allowed.end())
+      check_dtype_in(l.tensors[i], item(name, i), allowed);
 }
 
 void check_cpu(const ga_tensor& t, const std::string& name) {
@@ -128,7 +141,8 @@ void check_cpu(const ga_tensor& t, const std::string& name) {
 
 void check_all_cpu(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists) {
   for (const auto& [list, name] : lists)
-    for (int64_t i = 0; i < list->size; ++i) check_cpu(list->tensors[i], item(name, i));
+    for (int64_t i = 0; i < list->size; ++i)
+      if (list->tensors[i].device_type != kGaCPU) check_cpu(list->tensors[i], item(name, i));
 }
 
 void check_cuda(const ga_tensor& t, const std::string& name, int32_t* device) {
@@ -147,7 +161,11 @@ void check_cuda(const ga_tensor& t, const std::string& name, int32_t* device) {
 void check_all_cuda(std::initializer_list<std::pair<const ga_tensor_list*, const char*>> lists,
                     int32_t* device) {
   for (const auto& [list, name] : lists)
-    for (int64_t i = 0; i < list->size; ++i) check_cuda(list->tensors[i], item(name, i), device);
+    for (int64_t i = 0; i < list->size; ++i) {
+      const ga_tensor& t = list->tensors[i];
+      if (t.device_type == kGaCUDA && *device >= 0 && t.device_id == *device) continue;
+      check_cuda(t, item(name, i), device);
+    }
 }
 
 void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name) {
@@ -157,10 +175,16 @@ void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& n
 }
 
 void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const std::string& name) {
-  for (int64_t i = 0; i < list.size; ++i) add_range(out, list.tensors[i], item(name, i));
+  out.reserve(out.size() + static_cast<size_t>(list.size));
+  for (int64_t i = 0; i < list.size; ++i) {
+    const ga_tensor& t = list.tensors[i];
+    if (t.numel == 0) continue;
+    const uintptr_t b = reinterpret_cast<uintptr_t>(t.data);
+    out.push_back(Range{b, b + static_cast<uintptr_t>(t.numel) * ga_dtype_size(t.dtype), name, i});
+  }
 }
 
-void check_disjoint(std::vector<Range> written, const std::vector<Range>& read) {
+void check_disjoint(const std::vector<Range>& written, const std::vector<Range>& read) {
   // Sort all ranges by start; an overlap with a written range is an error.
   struct Tagged {
     const Range* r;
@@ -178,12 +202,13 @@ void check_disjoint(std::vector<Range> written, const std::vector<Range>& read) 
   const Range* far_any = nullptr;
   for (const Tagged& t : all) {
     if (t.w && far_any && far_any->end > t.r->begin) {
-      fail(kGaInvalidArgument, t.r->name,
-           t.r->name + " overlaps " + far_any->name + " in memory (the buffers must not alias)");
+      fail(
+          kGaInvalidArgument, t.r->name(),
+          t.r->name() + " overlaps " + far_any->name() + " in memory (the buffers must not alias)");
     }
     if (!t.w && far_w && far_w->end > t.r->begin) {
-      fail(kGaInvalidArgument, far_w->name,
-           far_w->name + " overlaps " + t.r->name + " in memory (the buffers must not alias)");
+      fail(kGaInvalidArgument, far_w->name(),
+           far_w->name() + " overlaps " + t.r->name() + " in memory (the buffers must not alias)");
     }
     if (t.w && (!far_w || t.r->end > far_w->end)) far_w = t.r;
     if (!far_any || t.r->end > far_any->end) far_any = t.r;

@@ -1,6 +1,7 @@
 // DLPack import (framework tensors → descriptors) and export (arena views → capsules).
 #include "dlpack.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -44,19 +45,41 @@ TensorRef from_dltensor(const DLTensor& t, const std::string& name, bool read_on
   int64_t numel = 1;
   if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr))
     throw py::value_error(name + " has an invalid DLPack shape");
-  ref.shape.assign(t.shape, t.shape + t.ndim);
-  for (int64_t d : ref.shape) {
+  ref.layout.shape.assign(t.shape, t.shape + t.ndim);
+  for (int64_t d : ref.layout.shape) {
     if (d < 0) throw py::value_error(name + " has a negative dimension");
     if (d != 0 && numel > std::numeric_limits<int64_t>::max() / d)
       throw py::value_error(name + ": its element count overflows int64");
     numel *= d;
   }
+  ref.layout.strides.assign(static_cast<size_t>(t.ndim), 0);
   if (t.strides != nullptr && numel > 1) {
+    // Dense and non-overlapping: ordered by stride, each dimension steps over exactly the
+    // elements of the faster ones. Size-1 dimensions never move and are left out.
+    std::vector<int32_t> order;
+    for (int32_t d = 0; d < t.ndim; ++d) {
+      if (t.shape[d] != 1) order.push_back(d);
+      if (t.shape[d] != 1) ref.layout.strides[d] = t.strides[d];
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return t.strides[a] > t.strides[b]; });
     int64_t expected = 1;
-    for (int32_t d = t.ndim - 1; d >= 0; --d) {
-      if (t.shape[d] != 1 && t.strides[d] != expected)
+    for (size_t k = order.size(); k-- > 0;) {
+      if (t.strides[order[k]] != expected)
         throw py::value_error(name + " is not contiguous; pass a contiguous tensor");
-      expected *= t.shape[d];
+      expected *= t.shape[order[k]];
+    }
+    int64_t c_order = 1;
+    for (int32_t d = t.ndim - 1; d >= 0; --d) {
+      if (t.shape[d] != 1 && t.strides[d] != c_order) ref.layout.contiguous = false;
+      c_order *= t.shape[d];
+    }
+  }
+  if (ref.layout.contiguous) {
+    int64_t c_order = 1;
+    for (int32_t d = t.ndim - 1; d >= 0; --d) {
+      if (t.shape[d] != 1) ref.layout.strides[d] = c_order;
+      c_order *= t.shape[d];
     }
   }
   if (writable && read_only) throw py::value_error(name + " is read-only but is written to");
@@ -229,23 +252,28 @@ TensorRef import_tensor(py::handle obj, const std::string& name, bool writable) 
   throw py::value_error(name + " is a DLPack capsule that was already consumed");
 }
 
-std::vector<TensorRef> import_list(py::handle seq, const std::string& name, bool writable) {
-  if (py::isinstance<py::str>(seq) || !py::isinstance<py::sequence>(seq) ||
-      py::hasattr(seq, "__dlpack__"))
-    throw py::type_error(name + " must be a list or tuple of tensors");
-  py::sequence s = py::reinterpret_borrow<py::sequence>(seq);
-  std::vector<TensorRef> out;
-  out.reserve(s.size());
-  for (size_t i = 0; i < s.size(); ++i)
-    out.push_back(import_tensor(s[i], name + "[" + std::to_string(i) + "]", writable));
-  return out;
+namespace {
+std::string dims(const std::vector<int64_t>& v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (v.size() == 1 ? ",)" : ")");
+}
+}  // namespace
+
+void require_contiguous(const Layout& layout, const std::string& name) {
+  if (!layout.contiguous)
+    throw py::value_error(name + " is not contiguous; pass a contiguous tensor");
 }
 
-std::vector<ga_tensor> descriptors(const std::vector<TensorRef>& refs) {
-  std::vector<ga_tensor> d;
-  d.reserve(refs.size());
-  for (const TensorRef& r : refs) d.push_back(r.desc);
-  return d;
+void same_layout(const Layout& ref, const Layout& other, const std::string& name,
+                 const std::string& ref_name) {
+  if (ref.contiguous && other.contiguous) return;
+  if (ref.shape == other.shape && ref.strides == other.strides) return;
+  const std::string& odd = other.contiguous ? ref_name : name;
+  throw py::value_error(odd + " is not contiguous and " + name + " (shape " + dims(other.shape) +
+                        ", strides " + dims(other.strides) + ") is not laid out like " + ref_name +
+                        " (shape " + dims(ref.shape) + ", strides " + dims(ref.strides) +
+                        "): tensors updated together must share one memory layout");
 }
 
 }  // namespace python

@@ -55,22 +55,33 @@ struct DLManagedTensorVersioned {
 };
 }
 
+/// Where a tensor's elements sit. The core sees a tensor as one span of `numel` elements, so it
+/// takes any dense, non-overlapping layout (C-contiguous, channels-last, a permutation): tensors
+/// that are updated together must then share it, element for element (see same_layout).
+struct Layout {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // in elements; 0 for dimensions of size 1 (they do not move)
+  bool contiguous = true;        // C order (row-major)
+};
+
 /// A borrowed tensor: the descriptor plus what keeps the memory alive during the call.
 struct TensorRef {
   ga_tensor desc;
-  std::vector<int64_t> shape;
+  Layout layout;
   py::object keep_alive;
 };
 
-/// Import `obj` (an object with __dlpack__, or a DLPack capsule). Checks dtype, device and
-/// contiguity; raises TypeError/ValueError naming `name`.
+/// Import `obj` (an object with __dlpack__, or a DLPack capsule). Checks dtype, device and that
+/// the elements form one dense span; raises TypeError/ValueError naming `name`.
 TensorRef import_tensor(py::handle obj, const std::string& name, bool writable);
 
-/// Import a Python sequence of tensors; items are named name[i].
-std::vector<TensorRef> import_list(py::handle seq, const std::string& name, bool writable);
+/// Refuse a tensor that is not C-contiguous (for callers that index it by shape).
+void require_contiguous(const Layout& layout, const std::string& name);
 
-/// Descriptors of imported tensors, in order.
-std::vector<ga_tensor> descriptors(const std::vector<TensorRef>& refs);
+/// Refuse a pair of tensors updated element for element whose layouts differ: both must be
+/// C-contiguous, or have the same shape and strides. `name` is the one that is refused.
+void same_layout(const Layout& ref, const Layout& other, const std::string& name,
+                 const std::string& ref_name);
 
 }  // namespace python
 }  // namespace ga

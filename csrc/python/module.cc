@@ -9,18 +9,17 @@
 
 #include "dlpack.h"
 #include "gradient_accumulator/cpp.h"
+#include "tensor_set.h"
 
 namespace py = pybind11;
-using ga::python::descriptors;
-using ga::python::import_list;
 using ga::python::import_tensor;
+using ga::python::require_contiguous;
+using ga::python::same_layouts;
+using ga::python::tensor_list;
 using ga::python::TensorRef;
+using ga::python::Tensors;
 
 namespace {
-
-ga_tensor_list as_list(const std::vector<ga_tensor>& v) {
-  return ga_tensor_list{v.data(), static_cast<int64_t>(v.size())};
-}
 
 /// Call the core without the GIL and turn a failure into the matching Python exception.
 template <typename F>
@@ -48,14 +47,6 @@ void call_core(F&& f) {
     default:
       throw std::runtime_error(message);
   }
-}
-
-bool is_cuda(const std::vector<TensorRef>& refs) {
-  return !refs.empty() && refs[0].desc.device_type == kGaCUDA;
-}
-
-int32_t device_id(const std::vector<TensorRef>& refs) {
-  return refs.empty() ? 0 : refs[0].desc.device_id;
 }
 
 /// The data pointer of an optional one-element device output (e.g. a flag) checked for dtype,
@@ -136,48 +127,68 @@ std::vector<ga_units> parse_units(const py::object& units, size_t n) {
   return out;
 }
 
+/// AGC's units are consecutive spans of a tensor's memory: a tensor that is not C-contiguous is
+/// taken when its units are its first dimension and that dimension is the outermost in memory
+/// (a channels-last convolution weight: (out, in, h, w) stored out-major, then h, w, in).
+void check_unit_span(const ga::python::Layout& l, const std::string& name, const ga_units& u) {
+  if (l.contiguous || u.num_units <= 1) return;
+  int64_t numel = 1;
+  for (int64_t d : l.shape) numel *= d;
+  if (u.layout == kGaUnitsLeading && !l.shape.empty() && l.shape[0] == u.num_units &&
+      l.strides[0] * l.shape[0] == numel)
+    return;
+  throw py::value_error(name +
+                        " is not contiguous and its units are not consecutive in memory "
+                        "(adaptive clipping takes a unit per slice of the first dimension, "
+                        "which must be the outermost one in memory); pass a contiguous tensor");
+}
+
+void check_unit_spans(const Tensors& t, const std::string& name, const std::vector<ga_units>& u) {
+  for (size_t i = 0; i < t.layout.size() && i < u.size(); ++i)
+    check_unit_span(*t.layout[i], name + "[" + std::to_string(i) + "]", u[i]);
+}
+
 py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
                      const std::string& mode, double weight_before, bool overwrite,
                      bool compute_sumsq, uintptr_t stream, const py::object& nonfinite_out,
                      const py::object& sumsq_out) {
   ga_accumulate_options o{parse_mode(mode), weight, weight_before, overwrite ? 1 : 0};
-  auto acc = import_list(accumulators, "accumulators", true);
-  auto g = import_list(grads, "grads", false);
-  auto ad = descriptors(acc), gd = descriptors(g);
-  const ga_device_type dev = is_cuda(acc) ? kGaCUDA : kGaCPU;
+  Tensors acc = tensor_list(accumulators, "accumulators", true);
+  Tensors g = tensor_list(grads, "grads", false, &acc);
+  same_layouts(acc, "accumulators", g, "grads");
+  const ga_device_type dev = acc.is_cuda() ? kGaCUDA : kGaCPU;
   TensorRef flag_ref, sumsq_ref;
   float* flag = scalar_out<float>(nonfinite_out, "nonfinite_out", kGaFloat32, 1, dev,
-                                  device_id(acc), flag_ref);
+                                  acc.device_id(), flag_ref);
   double* sumsq =
-      scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, device_id(acc), sumsq_ref);
+      scalar_out<double>(sumsq_out, "sumsq_out", kGaFloat64, 1, dev, acc.device_id(), sumsq_ref);
   if (dev == kGaCUDA) {
     // Results stay on the device: the flag and the sum of squares go to the given tensors.
     call_core([&] {
-      return ga_cuda_accumulate(as_list(ad), as_list(gd), &o, flag, compute_sumsq ? sumsq : nullptr,
+      return ga_cuda_accumulate(acc.list(), g.list(), &o, flag, compute_sumsq ? sumsq : nullptr,
                                 as_stream(stream));
     });
     return py::make_tuple(py::none(), py::none());
   }
   ga_accumulate_result r{};
-  call_core([&] { return ga_accumulate(as_list(ad), as_list(gd), &o, compute_sumsq, &r); });
+  call_core([&] { return ga_accumulate(acc.list(), g.list(), &o, compute_sumsq, &r); });
   if (flag != nullptr && r.nonfinite) *flag = 1.0f;
   if (sumsq != nullptr && compute_sumsq) *sumsq = r.sumsq;
   return py::make_tuple(r.nonfinite != 0, compute_sumsq ? py::cast(r.sumsq) : py::none());
 }
 
 py::object sum_of_squares(py::handle tensors, uintptr_t stream, const py::object& out) {
-  auto t = import_list(tensors, "tensors", false);
-  auto d = descriptors(t);
-  const ga_device_type dev = is_cuda(t) ? kGaCUDA : kGaCPU;
+  Tensors t = tensor_list(tensors, "tensors", false);
+  const ga_device_type dev = t.is_cuda() ? kGaCUDA : kGaCPU;
   TensorRef out_ref;
-  double* o = scalar_out<double>(out, "out", kGaFloat64, 1, dev, device_id(t), out_ref);
+  double* o = scalar_out<double>(out, "out", kGaFloat64, 1, dev, t.device_id(), out_ref);
   if (dev == kGaCUDA) {
     if (o == nullptr) throw py::value_error("out is required for CUDA tensors");
-    call_core([&] { return ga_cuda_sum_of_squares(as_list(d), o, as_stream(stream)); });
+    call_core([&] { return ga_cuda_sum_of_squares(t.list(), o, as_stream(stream)); });
     return py::none();
   }
   double s = 0;
-  call_core([&] { return ga_sum_of_squares(as_list(d), &s); });
+  call_core([&] { return ga_sum_of_squares(t.list(), &s); });
   if (o != nullptr) *o = s;
   return py::cast(s);
 }
@@ -200,6 +211,7 @@ void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
     throw py::value_error("out overlaps tensor in memory (the buffers must not alias)");
   auto u =
       parse_units(py::cast(std::vector<std::pair<int64_t, std::string>>{{num_units, layout}}), 1);
+  check_unit_span(t.layout, "tensor", u[0]);
   if (t.desc.device_type == kGaCUDA)
     call_core([&] { return ga_cuda_unitwise_norm(t.desc, u[0], n.desc, as_stream(stream)); });
   else
@@ -208,22 +220,22 @@ void unitwise_norm(py::handle tensor, py::handle norms, int64_t num_units,
 
 void adaptive_clip(py::handle params, py::handle grads, const py::object& units, double clip_factor,
                    double eps, uintptr_t stream) {
-  auto p = import_list(params, "params", false);
-  auto g = import_list(grads, "grads", true);
-  auto pd = descriptors(p), gd = descriptors(g);
-  if (pd.size() != gd.size())
-    throw py::value_error("grads has " + std::to_string(gd.size()) + " tensors but params has " +
-                          std::to_string(pd.size()));
-  auto u = parse_units(units, gd.size());
-  if (u.size() != gd.size()) throw py::value_error("units is required");
-  if (is_cuda(g))
+  Tensors p = tensor_list(params, "params", false);
+  Tensors g = tensor_list(grads, "grads", true);
+  if (p.desc.size() != g.desc.size())
+    throw py::value_error("grads has " + std::to_string(g.desc.size()) +
+                          " tensors but params has " + std::to_string(p.desc.size()));
+  same_layouts(p, "params", g, "grads");
+  auto u = parse_units(units, g.desc.size());
+  if (u.size() != g.desc.size()) throw py::value_error("units is required");
+  check_unit_spans(p, "params", u);
+  if (g.is_cuda())
     call_core([&] {
-      return ga_cuda_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps,
+      return ga_cuda_adaptive_clip(p.list(), g.list(), u.data(), clip_factor, eps,
                                    as_stream(stream));
     });
   else
-    call_core(
-        [&] { return ga_adaptive_clip(as_list(pd), as_list(gd), u.data(), clip_factor, eps); });
+    call_core([&] { return ga_adaptive_clip(p.list(), g.list(), u.data(), clip_factor, eps); });
 }
 
 /// The fused apply's options as Python builds them (gradient_accumulator.core.apply): the C
@@ -245,36 +257,39 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
   const py::object& units = options.units;
   const bool update = o.optimizer != kGaOptimizerNone;
   auto empty = py::list();
-  auto p = import_list(params.is_none() ? empty : params, "params", update);
-  auto a = import_list(accumulators, "accumulators", true);
-  auto s1 = import_list(state1.is_none() ? empty : state1, "state1", true);
-  auto s2 = import_list(state2.is_none() ? empty : state2, "state2", true);
-  auto go = import_list(grads_out.is_none() ? empty : grads_out, "grads_out", true);
-  const ga_device_type dev = is_cuda(a) ? kGaCUDA : kGaCPU;
+  Tensors p = tensor_list(params.is_none() ? empty : params, "params", update);
+  Tensors a = tensor_list(accumulators, "accumulators", true);
+  Tensors s1 = tensor_list(state1.is_none() ? empty : state1, "state1", true);
+  Tensors s2 = tensor_list(state2.is_none() ? empty : state2, "state2", true);
+  Tensors go = tensor_list(grads_out.is_none() ? empty : grads_out, "grads_out", true);
+  same_layouts(a, "accumulators", p, "params");
+  same_layouts(a, "accumulators", s1, "state1");
+  same_layouts(a, "accumulators", s2, "state2");
+  same_layouts(a, "accumulators", go, "grads_out");
+  const ga_device_type dev = a.is_cuda() ? kGaCUDA : kGaCPU;
   TensorRef coef;
   if (!clip_coef.is_none()) {
     coef = import_tensor(clip_coef, "clip_coef", false);
     if (coef.desc.dtype != kGaFloat32 || coef.desc.numel != 1)
       throw py::type_error("clip_coef must be a float32 tensor of one element");
-    if (coef.desc.device_type != dev || (dev == kGaCUDA && coef.desc.device_id != device_id(a)))
+    if (coef.desc.device_type != dev || (dev == kGaCUDA && coef.desc.device_id != a.device_id()))
       throw py::type_error(dev == kGaCUDA ? "clip_coef must be on the accumulators' CUDA device"
                                           : "clip_coef must be on the CPU for CPU tensors");
     o.clip_coef = static_cast<const float*>(coef.desc.data);
   }
   TensorRef stats_ref;
   auto* stats = scalar_out<ga_cuda_apply_stats>(stats_out, "stats_out", kGaFloat32, 3, dev,
-                                                device_id(a), stats_ref);
-  auto pd = descriptors(p), ad = descriptors(a), s1d = descriptors(s1), s2d = descriptors(s2),
-       god = descriptors(go);
-  if (!units.is_none() && pd.size() != ad.size())
-    throw py::value_error("params has " + std::to_string(pd.size()) +
-                          " tensors but accumulators has " + std::to_string(ad.size()));
-  auto u = parse_units(units, ad.size());
+                                                a.device_id(), stats_ref);
+  if (!units.is_none() && p.desc.size() != a.desc.size())
+    throw py::value_error("params has " + std::to_string(p.desc.size()) +
+                          " tensors but accumulators has " + std::to_string(a.desc.size()));
+  auto u = parse_units(units, a.desc.size());
   if (o.clip == kGaClipAgc) {
-    if (u.empty() && !ad.empty()) throw py::value_error("units is required for clip='agc'");
+    if (u.empty() && !a.desc.empty()) throw py::value_error("units is required for clip='agc'");
+    check_unit_spans(p, "params", u);
     o.units = u.data();
   }
-  ga_apply_tensors t{as_list(pd), as_list(ad), as_list(s1d), as_list(s2d), as_list(god)};
+  ga_apply_tensors t{p.list(), a.list(), s1.list(), s2.list(), go.list()};
   py::dict out;
   if (dev == kGaCUDA) {
     // The outcome stays on the device, in stats_out (grad_norm, clip_coef, skipped).
@@ -296,6 +311,7 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
 void bn_moments(py::handle x, int64_t outer, int64_t channels, int64_t inner, py::handle mean,
                 py::handle m2) {
   auto xr = import_tensor(x, "x", false);
+  require_contiguous(xr.layout, "x");
   auto mr = import_tensor(mean, "mean", true);
   auto qr = import_tensor(m2, "m2", true);
   call_core([&] { return ga_bn_moments(xr.desc, outer, channels, inner, mr.desc, qr.desc); });
@@ -333,11 +349,10 @@ void bn_update_running(py::handle running_mean, py::handle running_var, py::hand
 }
 
 void zero(py::handle tensors, uintptr_t stream) {
-  auto t = import_list(tensors, "tensors", true);
-  auto d = descriptors(t);
+  Tensors t = tensor_list(tensors, "tensors", true);
   call_core([&] {
-    if (is_cuda(t)) return ga_cuda_zero(as_list(d), as_stream(stream));
-    return ga_zero(as_list(d));
+    if (t.is_cuda()) return ga_cuda_zero(t.list(), as_stream(stream));
+    return ga_zero(t.list());
   });
 }
 
@@ -364,6 +379,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("num_threads", &ga_cpu_num_threads);
   m.def("has_cuda", [] { return ga_has_cuda() != 0; });
   m.def("cuda_device_count", &ga_cuda_device_count);
+  ga::python::bind_tensor_set(m);
   m.def("accumulate", &accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("weight"),
         py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"), py::arg("compute_sumsq"),
         py::arg("stream") = 0, py::arg("nonfinite_out") = py::none(),

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradient_accumulator._engine import REDUCTIONS, Cycle, clip_coef, grad_scale
+from gradient_accumulator._engine import REDUCTIONS, Cycle, SplitFold, clip_coef, grad_scale
 from gradient_accumulator.nonfinite import NonFiniteCounter
 from gradient_accumulator.torch import _params
 from gradient_accumulator.torch._guards import held_interrupts
@@ -66,6 +66,8 @@ class Loop:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.names = _params.parameter_names(optimizer, model)
         _params.check_parameters(self.params, self.names)
+        # Each parameter's memory layout (None: C-contiguous), which its accumulator copies.
+        self.strides = _params.strides(self.params)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.scaler = LossScale(grad_scaler, self.params[0].device)
         self.distributed, group = (
@@ -84,11 +86,13 @@ class Loop:
         )
         self.cycle = Cycle(accs, o.accum_steps, o.reduction, device_flag=flag)
         self.agc_exclude = agc_exclude
+        agc_skip = _params.agc_excluded(self.params, agc_exclude) if o.use_agc else None
+        _params.check_agc_layout(self.params, self.names, agc_skip)
         self.update = InnerUpdate(
             optimizer,
             self.params,
             accs,
-            agc_skip=_params.agc_excluded(self.params, agc_exclude) if o.use_agc else None,
+            agc_skip=agc_skip,
             clip_factor=o.clip_factor,
             eps=o.eps,
         )
@@ -166,24 +170,32 @@ class Loop:
         """Fold the parameters' ``.grad`` in with ``weight``; update at the cycle's end."""
         cycle, views = self.cycle, self.views
         weight = cycle.micro_weight(weight)
-        if cycle.boundary_next and not all(p.is_contiguous() for p in self.params):
+        if cycle.boundary_next and not _params.same_layouts(self.params, self.strides):
             # A parameter converted since construction (e.g. model.to(memory_format=...)):
             # refuse before this micro-batch is folded in, naming it.
-            _params.check_layout(self.params, self.names)
+            _params.check_layout(self.params, self.names, self.strides)
         if views is not None:
             views.settle_check(weight, self.names.__getitem__)
-        grads = [
-            None
-            if p.grad is None or (views is not None and views.holds(i))
-            else _params.dense_grad(p.grad, p, self.names[i])
-            for i, p in enumerate(self.params)
-        ]
+        if views is None:
+            grads = [p.grad for p in self.params]
+        else:
+            grads = [None if views.holds(i) else p.grad for i, p in enumerate(self.params)]
         # At the boundary the pass also returns Σacc²: the clip norm, and the check that the
         # accumulated result is finite (finite gradients can overflow fp32 once summed).
         norm = cycle.boundary_next and not self.distributed and cycle.reduction != "running_mean"
         with held_interrupts:
             held = views.settle() if views is not None else ()
-            cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
+            try:
+                # The gradients as autograd left them: the core reads each one laid out like its
+                # accumulator through torch's accessors, and refuses anything else unwritten.
+                cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held, single_call=True)
+            except (SplitFold, ValueError, TypeError, RuntimeError):
+                # Checked one by one, named, converted where they can be; then folded.
+                grads = [
+                    None if g is None else _params.dense_grad(g, p, self.names[i])
+                    for i, (p, g) in enumerate(zip(self.params, grads))
+                ]
+                cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
             for p in self.params:  # the gradient now lives in the accumulator
                 p.grad = None
             cycle.named_weight = None

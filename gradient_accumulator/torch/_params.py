@@ -48,25 +48,52 @@ def check_parameters(params: Sequence[torch.Tensor], names: Sequence[str]) -> No
     check_layout(params, names)
 
 
-def check_layout(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
-    """Refuse now what the core would refuse at the first update (nothing written yet)."""
+def strides(params: Sequence[torch.Tensor]) -> list[tuple[int, ...] | None]:
+    """Each parameter's strides, None for C-contiguous ones."""
+    return [None if p.is_contiguous() else p.stride() for p in params]
+
+
+def same_layouts(params: Sequence[torch.Tensor], layouts: Sequence[Any]) -> bool:
+    """Whether every parameter still has the layout it was wrapped with."""
+    return all(p.is_contiguous() if s is None else p.stride() == s for p, s in zip(params, layouts))
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Whether ``p``'s elements fill one span without gaps or overlaps (any dimension order)."""
+    dims = sorted((st, n) for st, n in zip(p.stride(), p.shape) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def check_layout(
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    wrapped: Sequence[Any] | None = None,
+) -> None:
+    """Refuse now what the core would refuse at the first update (nothing written yet): a
+    parameter that is not one dense span, one whose layout changed since it was wrapped
+    (``wrapped``: the strides it had then, None for C-contiguous), two sharing memory."""
     spans = []
     for i, p in enumerate(params):
-        if not p.is_contiguous():
-            fmt = (
-                "channels-last"
-                if p.dim() in (4, 5)
-                and (
-                    p.is_contiguous(memory_format=torch.channels_last)
-                    or p.is_contiguous(memory_format=torch.channels_last_3d)
-                )
-                else "non-contiguous"
-            )
+        if not p.is_contiguous() and not _dense(p):
             raise ValueError(
-                f"parameter {names[i]} is {fmt}; the update writes parameters as flat "
-                "contiguous buffers (convert the model with "
-                "memory_format=torch.contiguous_format, or keep channels-last activations only)"
+                f"parameter {names[i]} is not contiguous (strides {p.stride()} for shape "
+                f"{tuple(p.shape)}): the update takes each parameter as one dense span of memory "
+                "(C-contiguous or a permutation such as channels-last); pass a dense parameter"
             )
+        if wrapped is not None:
+            was = wrapped[i]
+            if (p.is_contiguous() if was is None else p.stride() == was) is False:
+                fmt = "channels-last" if _channels_last(p) else f"of strides {p.stride()}"
+                raise ValueError(
+                    f"parameter {names[i]} is {fmt} since it was wrapped; its accumulator keeps "
+                    "the layout the parameter had then (convert the model back, or convert it "
+                    "before wrapping the optimizer)"
+                )
         if p.numel():
             start = p.data_ptr()
             spans.append((start, start + p.numel() * p.element_size(), i))
@@ -81,6 +108,32 @@ def check_layout(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
             )
 
 
+def _channels_last(p: torch.Tensor) -> bool:
+    return p.dim() in (4, 5) and (
+        p.is_contiguous(memory_format=torch.channels_last)
+        or p.is_contiguous(memory_format=torch.channels_last_3d)
+    )
+
+
+def check_agc_layout(
+    params: Sequence[torch.Tensor], names: Sequence[str], skip: set[int] | None
+) -> None:
+    """Refuse, for adaptive clipping, a parameter whose units (slices of its first dimension)
+    are not consecutive in memory: dense layouts whose first dimension is not the outermost."""
+    if skip is None:
+        return
+    for i, p in enumerate(params):
+        if i in skip or p.dim() < 2 or p.is_contiguous() or p.shape[0] == 1:
+            continue
+        if p.stride(0) * p.shape[0] != p.numel():
+            raise ValueError(
+                f"parameter {names[i]} (strides {p.stride()} for shape {tuple(p.shape)}) does not "
+                "keep its first dimension outermost in memory, so its adaptive-clipping units "
+                "(slices of that dimension) are not consecutive; make it contiguous or leave it "
+                "out of AGC (agc_exclude)"
+            )
+
+
 def dense_grad(g: torch.Tensor, p: torch.Tensor, name: str) -> torch.Tensor:
     """A parameter's ``.grad`` as the core takes it, or a clear error naming the parameter."""
     if g.is_sparse:
@@ -90,7 +143,10 @@ def dense_grad(g: torch.Tensor, p: torch.Tensor, name: str) -> torch.Tensor:
             f"parameter {name}'s .grad has shape {tuple(g.shape)}, not {tuple(p.shape)}"
         )
     g = g.detach()
-    return g if g.is_contiguous() else g.contiguous()
+    if p.is_contiguous():
+        return g if g.is_contiguous() else g.contiguous()
+    # A dense non-contiguous parameter (channels-last): the gradient in the same layout.
+    return g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g)
 
 
 def accumulator_buffer(
@@ -109,7 +165,14 @@ def accumulator_buffer(
     )
     tail = scalar_slots + -(-len(params) // 16) * 16
     flat = torch.zeros(plan.total + tail, dtype=torch.float32, device=params[0].device)
-    accs = [flat[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)]
+    # Each accumulator is laid out like its parameter (channels-last stays channels-last), so
+    # that parameter, gradient, accumulator and optimizer state pair up element for element.
+    accs = [
+        flat[o : o + p.numel()].view_as(p)
+        if p.is_contiguous()
+        else flat.as_strided(p.shape, p.stride(), o)
+        for o, p in zip(plan.offsets, params)
+    ]
     return flat, plan, tail, accs
 
 

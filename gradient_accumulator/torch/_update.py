@@ -64,11 +64,50 @@ class InnerUpdate:
         self.clip_factor = clip_factor
         self.eps = eps
         self.kind = fused_kind(optimizer)
+        # Registered tensor sets (core.tensor_set) of the parameters, accumulators and optimizer
+        # state of each run of a call, made on first use; dropped when the optimizer's state
+        # object is replaced (load_state_dict) or a set is refused as out of date.
+        self._sets: dict[Any, Any] = {}
+        self._sets_state: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_sets"], state["_sets_state"] = {}, None  # registrations of this process's tensors
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (pickle, deepcopy) holds new parameter objects: the id-keyed index is rebuilt.
         self.__dict__.update(state)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._sets, self._sets_state = {}, None
+
+    def _set(self, key: Any, tensors: Any) -> Any:
+        """The registered set ``key`` of the tensors ``tensors()`` returns (made on first use)."""
+        if key is None:
+            return core.tensor_set(tensors())
+        if self._sets_state is not self.optimizer.state:
+            self._sets, self._sets_state = {}, self.optimizer.state
+        found = self._sets.get(key)
+        if found is None:
+            found = self._sets[key] = core.tensor_set(tensors())
+        return found
+
+    def _apply(self, key: Any, tensors: dict[str, Any], **kw: Any) -> None:
+        """``core.apply`` with the tensors of ``tensors`` (name → a function returning the list)
+        as registered sets; a set refused as out of date (a parameter re-allocated, state
+        replaced) is registered again from the current tensors and the call made once more:
+        the refusal comes before anything is written."""
+        for attempt in (0, 1):
+            try:
+                sets = {
+                    n: self._set(None if key is None else (key, n), fn) for n, fn in tensors.items()
+                }
+                core.apply(**sets, **kw)
+                return
+            except core.load_core().StaleTensorError:
+                if attempt:
+                    raise
+                self._sets = {}
 
     def __call__(self, index: list[int], scale: float, clip_coef: torch.Tensor | None) -> None:
         """Update the parameters ``index`` with accumulators × ``scale`` (× ``clip_coef``, a
@@ -129,12 +168,17 @@ class InnerUpdate:
                                 p, memory_format=torch.preserve_format
                             )
                     bufs = [s["momentum_buffer"] for s in states]
-                core.apply(
-                    [p.detach() for p in params],
-                    [self.accs[i] for i in run],
+                # A first momentum step's buffers are new: registered for that call only.
+                key = ("sgd", tuple(run), len(state)) if initialized else None
+                self._apply(
+                    key,
+                    {
+                        "params": lambda run=run: [self.params[i] for i in run],
+                        "accumulators": lambda run=run: [self.accs[i] for i in run],
+                        **({"state1": lambda bufs=bufs: bufs} if bufs is not None else {}),
+                    },
                     optimizer="sgd",
                     grad_scale=scale,
-                    state1=bufs,
                     momentum=momentum,
                     dampening=_float(group["dampening"]),
                     nesterov=bool(group["nesterov"]),
@@ -164,21 +208,23 @@ class InnerUpdate:
             for ids, agc in self._runs(sidx):
                 params = [self.params[i] for i in ids]
                 states = [self.optimizer.state[p] for p in params]
-                core.apply(
-                    [p.detach() for p in params],
-                    [self.accs[i] for i in ids],
+                self._apply(
+                    ("adam", tuple(ids), len(self.optimizer.state)),
+                    {
+                        "params": lambda ids=ids: [self.params[i] for i in ids],
+                        "accumulators": lambda ids=ids: [self.accs[i] for i in ids],
+                        "state1": lambda states=states: [s["exp_avg"] for s in states],
+                        "state2": lambda states=states: [s["exp_avg_sq"] for s in states],
+                    },
                     optimizer="adamw" if decoupled else "adam",
                     grad_scale=scale,
-                    state1=[s["exp_avg"] for s in states],
-                    state2=[s["exp_avg_sq"] for s in states],
                     betas=betas,
                     eps=_float(group["eps"]),
                     step=int(step) + 1,
                     **self._common(group, agc, coef),
                 )
                 torch.autograd.graph.increment_version(params)
-                for s in states:
-                    s["step"] += 1
+                torch._foreach_add_([s["step"] for s in states], 1)
 
     def _fallback(self, index: list[int], scale: float, coef: Any) -> None:
         chosen = set(index)
