@@ -9,7 +9,6 @@ boundary, a flush and a checkpoint's save and load with them. The public class
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -152,7 +151,7 @@ class Loop:
         self.cycle.check_named_weight(weight)
         if self.views is not None:
             self.views.expect(weight)
-        self.cycle.named_weight = weight
+        self.cycle.name_weight(weight)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop the ``.grad`` tensors that are not views of the accumulators."""
@@ -198,7 +197,6 @@ class Loop:
                 cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
             for p in self.params:  # the gradient now lives in the accumulator
                 p.grad = None
-            cycle.named_weight = None
             self.update_applied = False
             try:
                 if cycle.micro_step >= cycle.accum_steps:
@@ -232,7 +230,6 @@ class Loop:
         with held_interrupts:
             applied = False
             if self.cycle.micro_step > 0 or self.distributed:
-                self.cycle.sumsq = None
                 self.flushing = True
                 try:
                     applied = self.apply(hooks)
@@ -256,7 +253,7 @@ class Loop:
         scale = grad_scale(cycle.reduction, cycle.total_weight, self.scaler.scale())
         norm = cycle.result_norm(idx, scale)
         cycle.collect_device_flag()
-        cycle.nonfinite |= not math.isfinite(cycle.total_weight)
+        cycle.check_total_weight()
         if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):
             # Skip the whole cycle: nothing half-applied, accumulators start over.
             self.scaler.update(found_inf=True)
