@@ -23,6 +23,8 @@ from gradient_accumulator.torch._views import GradViews
 from gradient_accumulator.torch.batchnorm import layers_to_flush
 from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
 
+_UNCHANGED: Any = object()  # a setting of Loop.configure that is not given
+
 
 class StepHooks(NamedTuple):
     """The wrapper's step pre- and post-hooks, and the optimizer they receive."""
@@ -40,7 +42,8 @@ class Loop:
         options: the wrapper's checked options.
         grad_scaler, process_group, agc_exclude: as the wrapper takes them.
 
-    Attributes (the wrapper's settings live here; it exposes them as properties):
+    Attributes (the wrapper's settings live here; it exposes them as properties and changes
+    them through :meth:`configure`):
         max_grad_norm, leftover, on_nonfinite: as the wrapper takes them.
         update_applied, last_grad_norm: what the last step or flush did.
         updates: optimizer updates made so far.
@@ -128,6 +131,40 @@ class Loop:
     def reducer(self) -> Any:
         """The bucket reducer of the reduction over ranks (None when not distributed)."""
         return self.across_ranks.reducer if self.across_ranks is not None else None
+
+    # ---- settings (checked by the wrapper's setters) ----
+
+    def configure(
+        self,
+        *,
+        max_grad_norm: Any = _UNCHANGED,
+        leftover: str | None = None,
+        on_nonfinite: str | None = None,
+        model: Any = _UNCHANGED,
+        grad_scaler: Any = _UNCHANGED,
+        use_agc: bool | None = None,
+        clip_factor: float | None = None,
+        eps: float | None = None,
+    ) -> None:
+        """Change settings between steps (those not given stay as they are)."""
+        if max_grad_norm is not _UNCHANGED:
+            self.max_grad_norm = max_grad_norm
+        if leftover is not None:
+            self.leftover = leftover
+        if on_nonfinite is not None:
+            self.on_nonfinite = on_nonfinite
+        if model is not _UNCHANGED:
+            self.model = model
+        if grad_scaler is not _UNCHANGED:
+            self.scaler.scaler = grad_scaler
+        if use_agc is not None:
+            self.update.agc_skip = (
+                _params.agc_excluded(self.params, self.agc_exclude) if use_agc else None
+            )
+        if clip_factor is not None:
+            self.update.clip_factor = clip_factor
+        if eps is not None:
+            self.update.eps = eps
 
     # ---- the loop ----
 

@@ -13,7 +13,6 @@ import torch
 
 from gradient_accumulator import _validation
 from gradient_accumulator._engine import REDUCTIONS
-from gradient_accumulator.torch import _params
 from gradient_accumulator.torch._guards import refuse_outer_accumulation
 from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
@@ -227,7 +226,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @clip_factor.setter
     def clip_factor(self, value: float) -> None:
-        self._loop.update.clip_factor = _validation.check_positive(value, "clip_factor")
+        self._loop.configure(clip_factor=_validation.check_positive(value, "clip_factor"))
 
     @property
     def eps(self) -> float:
@@ -236,7 +235,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @eps.setter
     def eps(self, value: float) -> None:
-        self._loop.update.eps = _validation.check_positive(value, "eps", allow_zero=True)
+        self._loop.configure(eps=_validation.check_positive(value, "eps", allow_zero=True))
 
     @property
     def grad_scaler(self) -> Any:
@@ -245,7 +244,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @grad_scaler.setter
     def grad_scaler(self, value: Any) -> None:
-        self._loop.scaler.scaler = value
+        self._loop.configure(grad_scaler=value)
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -254,7 +253,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float | None) -> None:
-        self._loop.max_grad_norm = check_max_norm(self, value)
+        self._loop.configure(max_grad_norm=check_max_norm(self, value))
 
     @property
     def leftover(self) -> str:
@@ -263,7 +262,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @leftover.setter
     def leftover(self, value: str) -> None:
-        self._loop.leftover = check_leftover(self, value)
+        self._loop.configure(leftover=check_leftover(self, value))
 
     @property
     def on_nonfinite(self) -> str:
@@ -272,7 +271,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @on_nonfinite.setter
     def on_nonfinite(self, value: str) -> None:
-        self._loop.on_nonfinite = check_policy(self, value)
+        self._loop.configure(on_nonfinite=check_policy(self, value))
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -281,16 +280,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @model.setter
     def model(self, value: torch.nn.Module | None) -> None:
-        self._loop.model = value
+        self._loop.configure(model=value)
 
     @property
     def update_applied(self) -> bool:
         """Whether the last step() or flush() updated the weights."""
         return self._loop.update_applied
-
-    @update_applied.setter
-    def update_applied(self, value: bool) -> None:
-        self._loop.update_applied = value
 
     @property
     def last_grad_norm(self) -> Any:
@@ -298,10 +293,6 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         clipping: a float for CPU parameters, a 0-dim device tensor for CUDA ones (the step
         never waits for the GPU). NaN after a skipped cycle."""
         return self._loop.last_grad_norm
-
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: Any) -> None:
-        self._loop.last_grad_norm = value
 
     @property
     def use_agc(self) -> bool:
@@ -313,10 +304,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         value = _validation.check_bool(value, "use_agc")
         if value and self.max_grad_norm is not None:
             raise ValueError(EXCLUSIVE_CLIPPING)
-        loop = self._loop
-        loop.update.agc_skip = (
-            _params.agc_excluded(loop.params, loop.agc_exclude) if value else None
-        )
+        self._loop.configure(use_agc=value)
 
     # ---- the inner optimizer's state, always its current objects ----
 
