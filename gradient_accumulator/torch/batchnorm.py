@@ -637,8 +637,7 @@ def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
 # torch's SyncBatchNorm.convert_sync_batchnorm replaces every _BatchNorm, ours included, by a
 # SyncBatchNorm that shares our running statistics and updates them on every micro-batch. Ours
 # already merge across ranks once per cycle: the converter keeps them (in the process group it
-# is given) and converts everything else as torch does.
-# nn.SyncBatchNorm.convert_sync_batchnorm keeps our layers (they merge across ranks themselves).
+# is given) and converts everything else as torch does (the patch lives in torch/_glue.py).
 keep_on_sync_conversion(_AccumBatchNormMixin)
 
 
