@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gradient_accumulator import core
+from gradient_accumulator import _validation, core
 
 FLT_MAX = 3.4028234663852886e38
 REDUCTIONS = ("mean", "sum", "running_mean")
@@ -62,10 +62,13 @@ class Cycle:
         device_flag: on CUDA, a 0-dim float32 tensor the core raises for a non-finite gradient,
             so micro-steps never read the device; :meth:`collect_device_flag` reads it once.
 
-    Attributes (read and written by the adapters, which save and restore them):
-        micro_step, total_weight, nonfinite, seen: the cycle's position, its total weight,
-            whether a micro-step's gradient was NaN/Inf, which accumulators hold a gradient.
-        sumsq: Σacc² of the accumulated result when the last :meth:`fold` computed it.
+    Its state is its own: the adapters read it through read-only properties (``micro_step``,
+    ``total_weight``, ``nonfinite``, ``seen``, …) and change it only through its methods — a
+    micro-step (:meth:`fold`, :meth:`fold_one`), a named weight (:meth:`name_weight`), a new
+    setting (:meth:`set_accum_steps`, :meth:`set_reduction`), the totals of a reduction over
+    ranks (:meth:`merge_reduction`), a reset, a saved position (:meth:`load_state`). The sum of
+    squares a boundary fold computes belongs to the accumulators as that fold left them: every
+    other change clears it, and :meth:`result_norm` uses it once.
     """
 
     def __init__(
@@ -76,48 +79,135 @@ class Cycle:
         *,
         device_flag: torch.Tensor | None = None,
     ) -> None:
-        self.accs = list(accs)
-        self.accum_steps = accum_steps
-        self.reduction = reduction
-        self.device_flag = device_flag
-        self.cuda = device_flag is not None
+        self._accs = list(accs)
+        self._accum_steps = int(accum_steps)
+        self._set_reduction(reduction)
+        self._device_flag = device_flag
         # Gradients folded in during a backward (see fold_one) before the step that counts them.
-        self.early = False
-        self.early_weight = 1.0
-        self.early_index: set[int] = set()
+        self._early = False
+        self._early_weight = 1.0
+        self._early_index: set[int] = set()
         # The weight of the coming micro-batch when it was named before its backward.
-        self.named_weight: float | None = None
+        self._named_weight: float | None = None
         # Registered sets of accumulators (core.tensor_set), by the indices they hold: a call
         # then checks each accumulator in a fraction of what exporting it costs.
         self._sets: dict[tuple[int, ...], Any] = {}
         self.reset()
+
+    # ---- read-outs ----
+
+    @property
+    def accs(self) -> list[torch.Tensor]:
+        """The accumulators (a new list of the same tensors)."""
+        return list(self._accs)
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-steps per cycle (:meth:`set_accum_steps` changes it)."""
+        return self._accum_steps
 
     @property
     def reduction(self) -> str:
         """``"mean"``, ``"sum"`` or ``"running_mean"`` (what the accumulators hold)."""
         return self._reduction
 
-    @reduction.setter
-    def reduction(self, value: str) -> None:
+    @property
+    def device_flag(self) -> torch.Tensor | None:
+        """The CUDA non-finite flag the core raises (None on CPU)."""
+        return self._device_flag
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the accumulators live on a CUDA device (non-finite flag on the device)."""
+        return self._device_flag is not None
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps folded in this cycle."""
+        return self._micro_step
+
+    @property
+    def total_weight(self) -> float:
+        """The total weight of this cycle's micro-steps."""
+        return self._total_weight
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether a gradient (or, after :meth:`result_norm`, the result) was NaN/Inf."""
+        return self._nonfinite
+
+    @property
+    def seen(self) -> list[bool]:
+        """Which accumulators hold a gradient of this cycle (a copy)."""
+        return list(self._seen)
+
+    @property
+    def sumsq(self) -> Any:
+        """Σacc² of the accumulators as the last boundary :meth:`fold` left them, else None."""
+        return self._sumsq
+
+    @property
+    def named_weight(self) -> float | None:
+        """The coming micro-step's weight, named before its backward (:meth:`name_weight`)."""
+        return self._named_weight
+
+    @property
+    def early(self) -> bool:
+        """Whether gradients of the coming micro-step were folded during its backward."""
+        return self._early
+
+    @property
+    def early_weight(self) -> float:
+        """The weight those gradients were folded in with."""
+        return self._early_weight
+
+    def folded_early(self, i: int) -> bool:
+        """Whether accumulator ``i`` already holds the coming micro-step's gradient."""
+        return i in self._early_index
+
+    # ---- settings ----
+
+    def _set_reduction(self, value: str) -> None:
         if value not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
         self._reduction = value
         self._mode = "running_mean" if value == "running_mean" else "sum"
 
+    def set_reduction(self, value: str) -> None:
+        """Change the reduction (between cycles only: the accumulators hold this one's).
+
+        Raises:
+            ValueError: ``value`` is not a reduction, or micro-steps of this cycle were folded
+                with another one (nothing changed).
+        """
+        if value != self._reduction and self._micro_step > 0:
+            if value not in REDUCTIONS:
+                raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
+            raise ValueError(
+                f"reduction can change between cycles only ({self._micro_step} "
+                f"micro-batches of this cycle are accumulated as {self._reduction!r}; "
+                "flush() first)"
+            )
+        self._set_reduction(value)
+
+    def set_accum_steps(self, value: int) -> None:
+        """Change the cycle's length (a cycle already past it ends at its next micro-step)."""
+        self._accum_steps = _validation.check_accum_steps(value)
+
     # ---- position ----
 
     def reset(self) -> None:
         """Start a new cycle (the accumulators are overwritten by its first micro-step)."""
-        self.micro_step = 0
-        self.total_weight = 0.0
-        self.nonfinite = False
-        self.sumsq: Any = None
-        self.seen = [False] * len(self.accs)
+        self._micro_step = 0
+        self._total_weight = 0.0
+        self._nonfinite = False
+        self._sumsq: Any = None
+        self._seen = [False] * len(self._accs)
 
     @property
     def boundary_next(self) -> bool:
         """Whether the next micro-step ends the cycle."""
-        return self.micro_step + 1 >= self.accum_steps
+        return self._micro_step + 1 >= self._accum_steps
 
     def acc_set(self, index: Sequence[int]) -> Any:
         """The accumulators ``index`` as a registered tensor set (made on first use)."""
@@ -126,7 +216,7 @@ class Cycle:
         if found is None:
             if len(self._sets) > 64:  # index sets that keep changing: keep the cache bounded
                 self._sets.clear()
-            found = self._sets[key] = core.tensor_set([self.accs[i] for i in key])
+            found = self._sets[key] = core.tensor_set([self._accs[i] for i in key])
         return found
 
     def __getstate__(self) -> dict[str, Any]:
@@ -136,7 +226,23 @@ class Cycle:
 
     def seen_index(self) -> list[int]:
         """The accumulators that hold a gradient of this cycle."""
-        return [i for i, s in enumerate(self.seen) if s]
+        return [i for i, s in enumerate(self._seen) if s]
+
+    def merge_reduction(self, total_weight: float, nonfinite: bool, seen: Sequence[bool]) -> None:
+        """Take the totals of a reduction over ranks that summed the accumulators in place:
+        the ranks' total weight, whether any rank's cycle was non-finite (or the total
+        overflowed) and which accumulators any rank had a gradient for."""
+        if len(seen) != len(self._accs):
+            raise ValueError(f"seen has {len(seen)} flags for {len(self._accs)} accumulators")
+        self._total_weight = float(total_weight)
+        self._nonfinite = bool(nonfinite) or not math.isfinite(self._total_weight)
+        self._seen = [bool(s) for s in seen]
+        self._sumsq = None
+
+    def check_total_weight(self) -> None:
+        """A total weight that overflowed to inf makes the cycle non-finite."""
+        if not math.isfinite(self._total_weight):
+            self._nonfinite = True
 
     # ---- micro-steps ----
 
@@ -148,9 +254,9 @@ class Cycle:
         Raises:
             ValueError: ``weight`` contradicts either (nothing changed).
         """
-        named = self.named_weight
-        if self.early:
-            used = self.early_weight
+        named = self._named_weight
+        if self._early:
+            used = self._early_weight
             if weight != used and not (weight == 1.0 and named is not None):
                 raise ValueError(
                     f"weight={weight} differs from the weight {used} the gradients were already "
@@ -176,16 +282,22 @@ class Cycle:
         Raises:
             ValueError: it is another (nothing changed).
         """
-        if self.early and weight != self.early_weight:
+        if self._early and weight != self._early_weight:
             raise ValueError(
                 f"weight={weight}, but gradients of this micro-batch were already folded in "
-                f"with weight {self.early_weight} during its backward; name the weight once, "
+                f"with weight {self._early_weight} during its backward; name the weight once, "
                 "before the backward"
             )
 
+    def name_weight(self, weight: float) -> None:
+        """Name the coming micro-step's weight before its backward (checked as
+        :meth:`check_named_weight`); the :meth:`fold` that counts the micro-step forgets it."""
+        self.check_named_weight(weight)
+        self._named_weight = weight
+
     def hook_weight(self) -> float:
         """The weight gradients folded in during a backward take (the named one, else 1)."""
-        return self.named_weight if self.named_weight is not None else 1.0
+        return self._named_weight if self._named_weight is not None else 1.0
 
     def fold(
         self,
@@ -206,9 +318,9 @@ class Cycle:
         gradients would take two accumulate calls, so that a refused gradient in the second
         could not leave the first applied: callers that pass gradients unchecked retry checked.
         """
-        early = self.early
-        first = self.micro_step == 0 or (
-            self.reduction == "running_mean" and self.total_weight == 0 and not early
+        early = self._early
+        first = self._micro_step == 0 or (
+            self.reduction == "running_mean" and self._total_weight == 0 and not early
         )
         fresh_g: list[Any] = []
         add_g: list[Any] = []
@@ -221,8 +333,8 @@ class Cycle:
             # must still scale a late gradient by w/(W+w), so it adds rather than overwrites.
             # A gradient already folded in this micro-step (fold_one) is added to, never
             # overwritten: the parameter's later backward in the same micro-step.
-            later = not first and (self.seen[i] or self.reduction == "running_mean")
-            if later or i in self.early_index:
+            later = not first and (self._seen[i] or self.reduction == "running_mean")
+            if later or i in self._early_index:
                 add_i.append(i)
                 add_g.append(g)
             else:
@@ -232,7 +344,7 @@ class Cycle:
             raise SplitFold
         # A running mean over a total weight of 0 is empty: the next weighted micro-step starts
         # it afresh (zero-weight micro-steps only count).
-        empty = self._mode == "running_mean" and self.total_weight + weight == 0 and not early
+        empty = self._mode == "running_mean" and self._total_weight + weight == 0 and not early
         if empty:
             fresh_i, fresh_g, add_i, add_g = [], [], [], []
         nonfinite, sumsq = False, 0.0
@@ -244,31 +356,31 @@ class Cycle:
                 gs,
                 weight=weight,
                 mode=self._mode,
-                weight_before=self.total_weight,
+                weight_before=self._total_weight,
                 overwrite=overwrite,
                 compute_sumsq=norm,
-                nonfinite_out=self.device_flag,
+                nonfinite_out=self._device_flag,
             )
             if not self.cuda:
                 nonfinite |= r.nonfinite
             if norm:
                 sumsq += r.sumsq
-        held_now = self.early_index.union(held)
+        held_now = self._early_index.union(held)
         present = [g is not None or i in held_now for i, g in enumerate(grads)]
         if first and empty:
-            self.seen = [False] * len(self.accs)
+            self._seen = [False] * len(self._accs)
         elif first:
             # Accumulators without a gradient in the cycle's first micro-step start from zero.
-            self.seen = [s or p for s, p in zip(self.seen, present)]
-            missing = [self.accs[i] for i, s in enumerate(self.seen) if not s]
+            self._seen = [s or p for s, p in zip(self._seen, present)]
+            missing = [self._accs[i] for i, s in enumerate(self._seen) if not s]
             if missing:
                 core.zero(missing)
         else:
             if self.reduction == "running_mean":
                 # A micro-step without a gradient for an accumulator adds a zero to its mean:
                 # acc ← acc·W/(W+w) for those seen earlier in the cycle but not now.
-                before = self.total_weight - (weight if early else 0.0)
-                stale = [a for a, s, p in zip(self.accs, self.seen, present) if s and not p]
+                before = self._total_weight - (weight if early else 0.0)
+                stale = [a for a, s, p in zip(self._accs, self._seen, present) if s and not p]
                 if stale and before + weight > 0:
                     core.apply(
                         None,
@@ -277,52 +389,54 @@ class Cycle:
                         grad_scale=before / (before + weight),
                         reset=False,
                     )
-            self.seen = [s or p for s, p in zip(self.seen, present)]
-        self.nonfinite |= nonfinite
+            self._seen = [s or p for s, p in zip(self._seen, present)]
+        self._nonfinite |= nonfinite
         if not early:
-            self.total_weight += weight
-        self.early = False
-        self.early_index = set()
-        self.micro_step += 1
+            self._total_weight += weight
+        self._early = False
+        self._early_index = set()
+        self._named_weight = None  # it named this micro-step
+        self._micro_step += 1
         if norm:
             # Accumulators that this micro-step did not touch still count towards the norm.
-            stale = [a for a, s, g in zip(self.accs, self.seen, grads) if s and g is None]
-            self.sumsq = sumsq + (core.sum_of_squares(stale) if stale else 0.0)
+            stale = [a for a, s, g in zip(self._accs, self._seen, grads) if s and g is None]
+            self._sumsq = sumsq + (core.sum_of_squares(stale) if stale else 0.0)
         else:
-            self.sumsq = None
+            self._sumsq = None
 
     def fold_one(self, i: int, grad: torch.Tensor, weight: float) -> None:
         """Fold accumulator ``i``'s gradient during the backward of the micro-step that
         :meth:`fold` will count next (its weight is counted now, once)."""
-        if not self.early:
-            self.early = True
-            self.early_weight = weight
-            self.total_weight += weight
+        self._sumsq = None
+        if not self._early:
+            self._early = True
+            self._early_weight = weight
+            self._total_weight += weight
         # A second gradient of the same micro-step (a second backward) adds to the first.
-        fresh = i not in self.early_index and (
-            self.micro_step == 0 or (not self.seen[i] and self.reduction != "running_mean")
+        fresh = i not in self._early_index and (
+            self._micro_step == 0 or (not self._seen[i] and self.reduction != "running_mean")
         )
         r = core.accumulate(
-            [self.accs[i]],
+            [self._accs[i]],
             [grad],
             weight=weight,
             mode=self._mode,
-            weight_before=self.total_weight - weight,
+            weight_before=self._total_weight - weight,
             overwrite=fresh,
-            nonfinite_out=self.device_flag,
+            nonfinite_out=self._device_flag,
         )
         if not self.cuda:
-            self.nonfinite |= r.nonfinite
-        self.seen[i] = True
-        self.early_index.add(i)
+            self._nonfinite |= r.nonfinite
+        self._seen[i] = True
+        self._early_index.add(i)
 
     # ---- the boundary ----
 
     def collect_device_flag(self) -> None:
         """Fold the CUDA non-finite flag into :attr:`nonfinite` (one device read per cycle)."""
-        if self.device_flag is not None:
-            self.nonfinite |= bool(self.device_flag.item())
-            self.device_flag.zero_()
+        if self._device_flag is not None:
+            self._nonfinite |= bool(self._device_flag.item())
+            self._device_flag.zero_()
 
     def result_norm(self, index: Sequence[int], scale: float) -> Any:
         """‖accumulators × scale‖ over ``index``, and whether the result is finite.
@@ -334,17 +448,17 @@ class Cycle:
         """
         if self.cuda:
             if index:
-                norm = core.sum_of_squares([self.accs[i] for i in index]).sqrt() * abs(scale)
+                norm = core.sum_of_squares([self._accs[i] for i in index]).sqrt() * abs(scale)
             else:
-                norm = torch.zeros((), dtype=torch.float64, device=self.device_flag.device)
-            self.device_flag.add_((~(norm <= FLT_MAX)).to(torch.float32))
+                norm = torch.zeros((), dtype=torch.float64, device=self._device_flag.device)
+            self._device_flag.add_((~(norm <= FLT_MAX)).to(torch.float32))
             return norm
-        sumsq = self.sumsq
+        sumsq, self._sumsq = self._sumsq, None  # used once: the boundary's
         if sumsq is None:
-            sumsq = core.sum_of_squares([self.accs[i] for i in index]) if index else 0.0
+            sumsq = core.sum_of_squares([self._accs[i] for i in index]) if index else 0.0
         norm = math.sqrt(sumsq) * abs(scale)
         if not norm <= FLT_MAX:
-            self.nonfinite = True
+            self._nonfinite = True
         return norm
 
     # ---- saving ----
@@ -353,10 +467,10 @@ class Cycle:
         """The cycle's position (the accumulators are saved by their owner)."""
         self.collect_device_flag()
         return {
-            "micro_step": self.micro_step,
-            "total_weight": self.total_weight,
-            "nonfinite": self.nonfinite,
-            "seen": list(self.seen),
+            "micro_step": self._micro_step,
+            "total_weight": self._total_weight,
+            "nonfinite": self._nonfinite,
+            "seen": list(self._seen),
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -364,9 +478,9 @@ class Cycle:
         seen, micro = state["seen"], state["micro_step"]
         if (
             not isinstance(seen, (list, tuple))
-            or len(seen) != len(self.accs)
+            or len(seen) != len(self._accs)
             or not isinstance(micro, int)
-            or not 0 <= micro < self.accum_steps
+            or not 0 <= micro < self._accum_steps
         ):
             raise ValueError(
                 "state_dict's cycle position (micro_step, seen) does not fit this optimizer "
@@ -375,12 +489,12 @@ class Cycle:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore a position :meth:`check_state` accepted."""
-        if self.device_flag is not None:
-            self.device_flag.zero_()
-        self.micro_step = int(state["micro_step"])
-        self.total_weight = float(state["total_weight"])
-        self.nonfinite = bool(state["nonfinite"])
-        self.seen = [bool(s) for s in state["seen"]]
-        self.sumsq = None
-        self.early = False
-        self.early_index = set()
+        if self._device_flag is not None:
+            self._device_flag.zero_()
+        self._micro_step = int(state["micro_step"])
+        self._total_weight = float(state["total_weight"])
+        self._nonfinite = bool(state["nonfinite"])
+        self._seen = [bool(s) for s in state["seen"]]
+        self._sumsq = None
+        self._early = False
+        self._early_index = set()

@@ -1,15 +1,166 @@
-"""Small helpers shared by the Keras modules: deprecation warnings for 0.5's arguments and
-attributes, op ordering in TensorFlow graphs, and host copies of variables."""
+"""Keras internals the package relies on, and small helpers shared by the Keras modules.
+
+:data:`REACHES` lists every private attribute of Keras the package touches, the global patch it
+installs (:func:`install_fit_hook`) and the two reads of a caller's frame
+(:func:`model_being_cloned`, :func:`loss_scale_optimizer_wrapping`), with the Keras versions
+they were checked against; ``tests/keras/test_keras_private_reaches.py`` probes each against the
+installed Keras and names the one an upgrade moved. Also: deprecation warnings for 0.5's
+arguments and attributes, op ordering in TensorFlow graphs, and host copies of variables.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from types import FrameType
+from typing import Any, Callable
 
 import keras
 import numpy as np
+
+from gradient_accumulator._reaches import Reach
+
+KERAS = "3.15.1"
+
+REACHES = (
+    Reach(
+        "keras",
+        "keras.src.utils.tracking.no_automatic_dependency_tracking",
+        KERAS,
+        "keeping the optimizer wrapper's own containers out of Keras's variable tracking "
+        "(keras/optimizer.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.optimizers.Optimizer(): _iterations, _variables, _trainable_variables, "
+        "_track_variable, _get_variable_index, _check_variables_are_known, _clip_gradients, "
+        "_use_weight_decay",
+        KERAS,
+        "the optimizer wrapper, a keras.optimizers.Optimizer that builds, tracks and clips "
+        "like one (keras/optimizer.py) and reads the inner optimizer's weight-decay rule "
+        "(keras/_core_path.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.layers.Layer()._build_shapes_dict",
+        KERAS,
+        "AccumBatchNormalization's build config (keras/layers.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.Model()._flatten_layers(include_self=False)",
+        KERAS,
+        "finding the AccumBatchNormalization layers to flush at an epoch's end "
+        "(keras/callbacks.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.Model()._jax_state (JAX backend, during fit)",
+        KERAS,
+        "reading the skipped-cycle counter during a JAX fit without syncing the whole "
+        "training state (keras/callbacks.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.callbacks.Callback()._model",
+        KERAS,
+        "reading a callback's model without the JAX state sync of its model property "
+        "(keras/callbacks.py)",
+    ),
+    Reach(
+        "keras",
+        "patch: keras.callbacks.CallbackList.set_model",
+        KERAS,
+        "putting FlushAccumulation first in every fit's callbacks when the model's optimizer "
+        "accumulates, so an epoch's short last cycle is applied without a user callback "
+        "(install_fit_hook, from keras/callbacks.py)",
+    ),
+    Reach(
+        "keras",
+        "frame: keras.models.clone_model calls cls(inputs, outputs, name=...) from a function "
+        "named *clone* whose local 'model' is the model cloned",
+        KERAS,
+        "cloning a GradientAccumulateModel with its accumulation settings "
+        "(model_being_cloned, from keras/model.py)",
+    ),
+    Reach(
+        "keras",
+        "frame: keras.optimizers.LossScaleOptimizer.__init__ sets inner_optimizer."
+        "loss_scale_factor = None with the LossScaleOptimizer as its local 'self'",
+        KERAS,
+        "the optimizer wrapper learning that a LossScaleOptimizer wraps it "
+        "(loss_scale_optimizer_wrapping, from keras/optimizer.py)",
+    ),
+)
+
+
+def _frames(skip: int, depth: int) -> list[FrameType]:
+    """``depth`` frames from the one ``sys._getframe(skip)`` would give this module's caller."""
+    frames: list[FrameType] = []
+    frame: FrameType | None = sys._getframe(skip + 2)
+    while frame is not None and len(frames) < depth:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def model_being_cloned(model_type: type, skip: int) -> Any:
+    """The ``model_type`` model ``keras.models.clone_model`` is cloning, else None.
+
+    Keras clones a functional model by calling its class with the new inputs and outputs only
+    (``cls(inputs, outputs, name=...)``); the model being cloned is a local of that call's
+    caller. ``skip``: the frames between the caller of this function and that call, as
+    ``sys._getframe`` counts them.
+    """
+    for frame in _frames(skip, 4):
+        model = frame.f_locals.get("model")
+        if "clone" in frame.f_code.co_name and isinstance(model, model_type):
+            return model
+    return None
+
+
+def loss_scale_optimizer_wrapping(optimizer: Any, skip: int) -> Any:
+    """The ``keras.optimizers.LossScaleOptimizer`` whose constructor is wrapping ``optimizer``
+    (it ends by setting ``optimizer.loss_scale_factor = None``), else None. ``skip``: as
+    :func:`model_being_cloned`."""
+    for frame in _frames(skip, 4):
+        caller = frame.f_locals.get("self")
+        if (
+            isinstance(caller, keras.optimizers.LossScaleOptimizer)
+            and getattr(caller, "inner_optimizer", None) is optimizer
+        ):
+            return caller
+    return None
+
+
+def install_fit_hook(on_fit: Callable[[Any, Any], None]) -> None:
+    """Wrap ``keras.callbacks.CallbackList.set_model``, which every ``fit`` calls with its model,
+    so that ``on_fit(callback_list, model)`` runs then (once installed, later calls do
+    nothing)."""
+    cls = keras.callbacks.CallbackList
+    original = getattr(cls, "set_model", None)
+    if original is None or getattr(original, "_fit_hook", False):
+        if original is None:  # pragma: no cover - a Keras without CallbackList.set_model
+            warnings.warn(
+                "gradient_accumulator: this Keras version's CallbackList has no set_model; "
+                "add FlushAccumulation() to fit's callbacks to apply an epoch's short last "
+                "cycle",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return
+
+    @functools.wraps(original)
+    def set_model(self: Any, model: Any) -> None:
+        original(self, model)
+        if model is not None and isinstance(getattr(self, "callbacks", None), list):
+            on_fit(self, model)
+
+    set_model._fit_hook = True  # type: ignore[attr-defined]
+    cls.set_model = set_model
 
 
 def warn_deprecated(what: str, instead: str, stacklevel: int = 3) -> None:

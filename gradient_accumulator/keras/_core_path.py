@@ -131,10 +131,10 @@ class CorePath:
     def _refresh(self) -> None:
         """The wrapper's options as they are now (a user may change them between calls)."""
         self.settings = self._settings()
-        self.cycle.accum_steps = self.settings.accum_steps
+        self.cycle.set_accum_steps(self.settings.accum_steps)
         reduction = self.settings.reduction.lower()
         if reduction != self.cycle.reduction and self.cycle.micro_step == 0:
-            self.cycle.reduction = reduction
+            self.cycle.set_reduction(reduction)
 
     def _groups(self, kind: str) -> list[_Group]:
         """Variables updated by one core call each: same AGC flag and weight decay."""
@@ -173,15 +173,15 @@ class CorePath:
         versions = tuple((id(t), t._version) for t in self._mirrors())
         if versions == self._versions:
             return
-        s, c = self.state, self.cycle
-        c.micro_step = int(s.micro_step.value.item())
-        c.total_weight = float(s.total_weight.value.item())
-        c.nonfinite = bool(s.nonfinite.value.item() > 0)
-        seen = s.seen.value.tolist()
-        c.seen = [c.micro_step > 0 and f > 0 for f in seen]
-        c.sumsq = None
-        if c.device_flag is not None:
-            c.device_flag.zero_()
+        s = self.state
+        micro_step = int(s.micro_step.value.item())
+        position = {
+            "micro_step": micro_step,
+            "total_weight": float(s.total_weight.value.item()),
+            "nonfinite": bool(s.nonfinite.value.item() > 0),
+            "seen": [micro_step > 0 and f > 0 for f in s.seen.value.tolist()],
+        }
+        self.cycle.load_state(position)
         self._versions = versions
 
     def _publish(self, seen: bool) -> None:

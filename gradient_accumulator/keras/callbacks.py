@@ -7,12 +7,11 @@ plain ``keras.Model`` or :class:`GradientAccumulateModel` alike.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Any
 
 import keras
 
+from gradient_accumulator.keras import _compat
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["FlushAccumulation", "flush_batchnorm"]
@@ -137,32 +136,5 @@ def _with_flush(callbacks: Any, model: Any) -> None:
             flush.set_params(callbacks.params)
 
 
-def _install_fit_hook() -> None:
-    """Wrap ``keras.callbacks.CallbackList.set_model``, which every ``fit`` calls with its
-    model, so that the flush needs no callback from the user. FlushAccumulation overrides no
-    batch-end method, so adding it after the list chose its asynchronous dispatch changes
-    nothing there."""
-    cls = keras.callbacks.CallbackList
-    original = getattr(cls, "set_model", None)
-    if original is None or getattr(original, "_flush_hook", False):
-        if original is None:  # pragma: no cover - a Keras without CallbackList.set_model
-            warnings.warn(
-                "gradient_accumulator: this Keras version's CallbackList has no set_model; "
-                "add FlushAccumulation() to fit's callbacks to apply an epoch's short last "
-                "cycle",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return
-
-    @functools.wraps(original)
-    def set_model(self: Any, model: Any) -> None:
-        original(self, model)
-        if model is not None and isinstance(getattr(self, "callbacks", None), list):
-            _with_flush(self, model)
-
-    set_model._flush_hook = True  # type: ignore[attr-defined]
-    cls.set_model = set_model
-
-
-_install_fit_hook()
+# Every fit puts FlushAccumulation first when the model's optimizer accumulates.
+_compat.install_fit_hook(_with_flush)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import keras
@@ -10,7 +9,7 @@ import numpy as np
 from keras import ops
 
 from gradient_accumulator import _validation
-from gradient_accumulator.keras._compat import warn_deprecated
+from gradient_accumulator.keras._compat import model_being_cloned, warn_deprecated
 from gradient_accumulator.keras.callbacks import (
     FlushAccumulation,
     find_accumulator,
@@ -59,16 +58,11 @@ def _settings_of_original() -> tuple:
     (``cls(inputs, outputs, name=...)``); the model being cloned is a local of that call's
     caller. Without one (any other positional call), the defaults.
     """
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            break
-        model = frame.f_locals.get("model")
-        if "clone" in frame.f_code.co_name and isinstance(model, GradientAccumulateModel):
-            # As in get_config: variables and layers named in agc_exclude are the original's,
-            # not the clone's; patterns carry over.
-            return tuple(model.get_config()[name] for name in _SETTINGS)
-        frame = frame.f_back
+    model = model_being_cloned(GradientAccumulateModel, skip=2)
+    if model is not None:
+        # As in get_config: variables and layers named in agc_exclude are the original's,
+        # not the clone's; patterns carry over.
+        return tuple(model.get_config()[name] for name in _SETTINGS)
     return _DEFAULTS
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
 import types
 import warnings
 from collections.abc import Iterable, Sequence
@@ -23,7 +22,12 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
-from gradient_accumulator.keras._compat import after, to_numpy, warn_deprecated
+from gradient_accumulator.keras._compat import (
+    after,
+    loss_scale_optimizer_wrapping,
+    to_numpy,
+    warn_deprecated,
+)
 from gradient_accumulator.keras.agc import clip_one
 from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
 
@@ -369,18 +373,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         # optimizer's loss_scale_factor to None; that is the one moment this wrapper learns it
         # is wrapped (Keras's compile does it under a mixed_float16 policy).
         # (The frames between are the attribute assignment's.)
-        frame = sys._getframe(1)
-        for _ in range(4):
-            if frame is None:
-                break
-            caller = frame.f_locals.get("self")
-            if (
-                isinstance(caller, keras.optimizers.LossScaleOptimizer)
-                and getattr(caller, "inner_optimizer", None) is self
-            ):
-                self._adopt_loss_scaler(caller)
-                break
-            frame = frame.f_back
+        caller = loss_scale_optimizer_wrapping(self, skip=1)
+        if caller is not None:
+            self._adopt_loss_scaler(caller)
 
     def _use_loss_scaling(self, initial_scale: float, dynamic_growth_steps: int) -> None:
         """Switch on ``mixed_precision`` with these settings (a no-op if it is on already:

@@ -9,7 +9,6 @@ boundary, a flush and a checkpoint's save and load with them. The public class
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +22,8 @@ from gradient_accumulator.torch._update import InnerUpdate, LossScale
 from gradient_accumulator.torch._views import GradViews
 from gradient_accumulator.torch.batchnorm import layers_to_flush
 from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
+
+_UNCHANGED: Any = object()  # a setting of Loop.configure that is not given
 
 
 class StepHooks(NamedTuple):
@@ -41,7 +42,8 @@ class Loop:
         options: the wrapper's checked options.
         grad_scaler, process_group, agc_exclude: as the wrapper takes them.
 
-    Attributes (the wrapper's settings live here; it exposes them as properties):
+    Attributes (the wrapper's settings live here; it exposes them as properties and changes
+    them through :meth:`configure`):
         max_grad_norm, leftover, on_nonfinite: as the wrapper takes them.
         update_applied, last_grad_norm: what the last step or flush did.
         updates: optimizer updates made so far.
@@ -130,6 +132,40 @@ class Loop:
         """The bucket reducer of the reduction over ranks (None when not distributed)."""
         return self.across_ranks.reducer if self.across_ranks is not None else None
 
+    # ---- settings (checked by the wrapper's setters) ----
+
+    def configure(
+        self,
+        *,
+        max_grad_norm: Any = _UNCHANGED,
+        leftover: str | None = None,
+        on_nonfinite: str | None = None,
+        model: Any = _UNCHANGED,
+        grad_scaler: Any = _UNCHANGED,
+        use_agc: bool | None = None,
+        clip_factor: float | None = None,
+        eps: float | None = None,
+    ) -> None:
+        """Change settings between steps (those not given stay as they are)."""
+        if max_grad_norm is not _UNCHANGED:
+            self.max_grad_norm = max_grad_norm
+        if leftover is not None:
+            self.leftover = leftover
+        if on_nonfinite is not None:
+            self.on_nonfinite = on_nonfinite
+        if model is not _UNCHANGED:
+            self.model = model
+        if grad_scaler is not _UNCHANGED:
+            self.scaler.scaler = grad_scaler
+        if use_agc is not None:
+            self.update.agc_skip = (
+                _params.agc_excluded(self.params, self.agc_exclude) if use_agc else None
+            )
+        if clip_factor is not None:
+            self.update.clip_factor = clip_factor
+        if eps is not None:
+            self.update.eps = eps
+
     # ---- the loop ----
 
     def check_groups(self) -> None:
@@ -152,7 +188,7 @@ class Loop:
         self.cycle.check_named_weight(weight)
         if self.views is not None:
             self.views.expect(weight)
-        self.cycle.named_weight = weight
+        self.cycle.name_weight(weight)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop the ``.grad`` tensors that are not views of the accumulators."""
@@ -198,7 +234,6 @@ class Loop:
                 cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
             for p in self.params:  # the gradient now lives in the accumulator
                 p.grad = None
-            cycle.named_weight = None
             self.update_applied = False
             try:
                 if cycle.micro_step >= cycle.accum_steps:
@@ -232,7 +267,6 @@ class Loop:
         with held_interrupts:
             applied = False
             if self.cycle.micro_step > 0 or self.distributed:
-                self.cycle.sumsq = None
                 self.flushing = True
                 try:
                     applied = self.apply(hooks)
@@ -256,7 +290,7 @@ class Loop:
         scale = grad_scale(cycle.reduction, cycle.total_weight, self.scaler.scale())
         norm = cycle.result_norm(idx, scale)
         cycle.collect_device_flag()
-        cycle.nonfinite |= not math.isfinite(cycle.total_weight)
+        cycle.check_total_weight()
         if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):
             # Skip the whole cycle: nothing half-applied, accumulators start over.
             self.scaler.update(found_inf=True)

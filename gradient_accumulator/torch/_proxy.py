@@ -1,9 +1,36 @@
-"""Framework proxies of the optimizer wrapper: Lightning's ``LightningOptimizer`` and
-accelerate's ``AcceleratedOptimizer`` must act on the real wrapper, never on a copy."""
+"""Lightning's internals, and the framework proxies of the optimizer wrapper: Lightning's
+``LightningOptimizer`` and accelerate's ``AcceleratedOptimizer`` must act on the real wrapper,
+never on a copy.
+
+:data:`REACHES` lists the parts of Lightning's optimizer proxy this relies on, with the Lightning
+versions they were checked against (probed by ``tests/integrations/test_integ_private_reaches.py``).
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from gradient_accumulator._reaches import Reach
+
+LIGHTNING = "2.6.6"
+
+REACHES = (
+    Reach(
+        "lightning",
+        "lightning.pytorch.core.optimizer.LightningOptimizer._to_lightning_optimizer "
+        "(a subclass of the wrapped optimizer's class, named LightningOptimizer's way)",
+        LIGHTNING,
+        "recognising the proxy class when it is made (is_lightning_proxy, from the wrapper's "
+        "__init_subclass__) to forward everything to the real wrapper",
+    ),
+    Reach(
+        "lightning",
+        "LightningOptimizer()._optimizer, ._strategy, ._on_before_step, ._on_after_step",
+        LIGHTNING,
+        "reaching the real wrapper behind the proxy, and counting a flush() that updates as "
+        "Lightning's optimizer step (install_lightning_forwarding, inner_of)",
+    ),
+)
 
 
 def is_lightning_proxy(cls: type) -> bool:
@@ -29,25 +56,10 @@ _PROXIED_ATTRIBUTES = (
 )
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The GradientAccumulateOptimizer behind a framework's optimizer proxy, else ``optimizer``.
-
-    Follows Lightning's ``LightningOptimizer`` (``_optimizer``) and accelerate's
-    ``AcceleratedOptimizer`` (``optimizer``), so that state set on the result reaches the real
-    wrapper and not a copy on the proxy.
-    """
-    from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
-
-    for _ in range(8):
-        if isinstance(optimizer, GradientAccumulateOptimizer) and not is_lightning_proxy(
-            type(optimizer)
-        ):
-            return optimizer
-        inner = vars(optimizer).get("_optimizer", vars(optimizer).get("optimizer"))
-        if inner is None:
-            return optimizer
-        optimizer = inner
-    return optimizer
+def inner_of(proxy: Any) -> Any:
+    """The optimizer a framework's proxy holds (Lightning's ``LightningOptimizer._optimizer``,
+    accelerate's ``AcceleratedOptimizer.optimizer``), or None for anything else."""
+    return vars(proxy).get("_optimizer", vars(proxy).get("optimizer"))
 
 
 def _forward_attribute(name: str) -> property:

@@ -34,7 +34,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradient_accumulator._reaches import Reach
 from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
+
+ACCELERATE = "1.15.0"
+
+# accelerate's internals the package relies on (probed by the integration tests).
+REACHES = (
+    Reach(
+        "accelerate",
+        "accelerate.state.GradientState._shared_state['plugin_kwargs']['num_steps']",
+        ACCELERATE,
+        "refusing a GradientAccumulateOptimizer step under Accelerator(gradient_accumulation_"
+        "steps=n > 1), read without importing accelerate (torch/_guards.py)",
+    ),
+    Reach(
+        "accelerate",
+        "Accelerator.prepare() leaving objects with _is_accelerate_prepared = True as they are",
+        ACCELERATE,
+        "handing the wrapper itself back from prepare(), with step(weight=), flush() and "
+        "update_applied (torch/optimizer.py)",
+    ),
+    Reach(
+        "accelerate",
+        "accelerate.optimizer.AcceleratedOptimizer().optimizer",
+        ACCELERATE,
+        "reaching the real wrapper behind accelerate's proxy (unwrap_optimizer)",
+    ),
+)
 
 __all__ = ["prepare"]
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradient_accumulator import _validation, core
+from gradient_accumulator.torch._glue import keep_on_sync_conversion
 
 __all__ = [
     "AccumBatchNorm1d",
@@ -636,25 +637,8 @@ def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
 # torch's SyncBatchNorm.convert_sync_batchnorm replaces every _BatchNorm, ours included, by a
 # SyncBatchNorm that shares our running statistics and updates them on every micro-batch. Ours
 # already merge across ranks once per cycle: the converter keeps them (in the process group it
-# is given) and converts everything else as torch does.
-_INSTALLED = nn.SyncBatchNorm.__dict__["convert_sync_batchnorm"].__func__
-_TORCH_CONVERT_SYNC = (
-    _INSTALLED.__wrapped__ if getattr(_INSTALLED, "_keeps_accum_batchnorm", False) else _INSTALLED
-)
-
-
-def _convert_sync_keeping_ours(cls: type, module: nn.Module, process_group: Any = None) -> Any:
-    """torch's ``SyncBatchNorm.convert_sync_batchnorm``, except that AccumBatchNorm layers are
-    kept (they merge their statistics across the ranks of ``process_group`` once per cycle)."""
-    if isinstance(module, _AccumBatchNormMixin):
-        module.process_group = process_group
-        return module
-    return _TORCH_CONVERT_SYNC(cls, module, process_group)
-
-
-_convert_sync_keeping_ours._keeps_accum_batchnorm = True  # type: ignore[attr-defined]
-_convert_sync_keeping_ours.__wrapped__ = _TORCH_CONVERT_SYNC  # type: ignore[attr-defined]
-nn.SyncBatchNorm.convert_sync_batchnorm = classmethod(_convert_sync_keeping_ours)
+# is given) and converts everything else as torch does (the patch lives in torch/_glue.py).
+keep_on_sync_conversion(_AccumBatchNormMixin)
 
 
 def flush_batchnorm(module: nn.Module) -> None:

@@ -13,7 +13,6 @@ agree on them (Σv² · n = (Σv)² only when every rank sent the same v).
 from __future__ import annotations
 
 import datetime
-import math
 from typing import Any, Callable
 
 import torch
@@ -229,7 +228,7 @@ class CycleReduction:
             i = index[id(p)]
             # Already folded: a backward of this micro-batch raised after folding it (and maybe
             # launching its bucket); the retried backward brings the same gradient again.
-            if i not in cycle.early_index:
+            if not cycle.folded_early(i):
                 g = p.grad.detach()
                 with torch.no_grad():
                     cycle.fold_one(i, g if g.is_contiguous() else g.contiguous(), weight())
@@ -273,14 +272,12 @@ class CycleReduction:
                 + " in this cycle's reduction (different accum_steps or models, or flush() "
                 "called on some ranks and a regular step on others); the cycle was dropped"
             )
-        cycle.total_weight = float(reduced[0])
-        cycle.nonfinite = bool(reduced[1] > 0) or not math.isfinite(cycle.total_weight)
-        if cycle.reduction == "running_mean" and cycle.total_weight > 0:
-            body.div_(cycle.total_weight)
         # An accumulator takes part in the update if any rank had a gradient for it (DDP with
         # find_unused_parameters leaves .grad None where no rank had one).
-        cycle.seen = [n > 0 for n in reduced[SCALAR_SLOTS : SCALAR_SLOTS + len(cycle.accs)]]
-        cycle.sumsq = None
+        seen = [n > 0 for n in reduced[SCALAR_SLOTS : SCALAR_SLOTS + len(cycle.seen)]]
+        cycle.merge_reduction(reduced[0], reduced[1] > 0, seen)
+        if cycle.reduction == "running_mean" and cycle.total_weight > 0:
+            body.div_(cycle.total_weight)
 
 
 def resolve_group(process_group: Any) -> tuple[bool, Any]:

@@ -13,7 +13,6 @@ import torch
 
 from gradient_accumulator import _validation
 from gradient_accumulator._engine import REDUCTIONS
-from gradient_accumulator.torch import _params
 from gradient_accumulator.torch._guards import refuse_outer_accumulation
 from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
@@ -24,16 +23,33 @@ from gradient_accumulator.torch._options import (
     check_max_norm,
     check_options,
     check_policy,
-    delegated,
     inner_attribute,
 )
 from gradient_accumulator.torch._proxy import (
+    inner_of,
     install_lightning_forwarding,
     is_lightning_proxy,
-    unwrap_optimizer,
 )
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The GradientAccumulateOptimizer behind a framework's optimizer proxy, else ``optimizer``.
+
+    Follows Lightning's ``LightningOptimizer`` and accelerate's ``AcceleratedOptimizer``, so
+    that state set on the result reaches the real wrapper and not a copy on the proxy.
+    """
+    for _ in range(8):
+        if isinstance(optimizer, GradientAccumulateOptimizer) and not is_lightning_proxy(
+            type(optimizer)
+        ):
+            return optimizer
+        inner = inner_of(optimizer)
+        if inner is None:
+            return optimizer
+        optimizer = inner
+    return optimizer
 
 
 class GradientAccumulateOptimizer(torch.optim.Optimizer):
@@ -181,35 +197,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     # ---- settings (may be changed between cycles) ----
 
-    accum_steps = delegated(
-        "_loop.cycle.accum_steps",
-        "Micro-batches per update (may be changed between cycles; ranks must agree).",
-        lambda self, v: _validation.check_accum_steps(v),
-    )
-    clip_factor = delegated(
-        "_loop.update.clip_factor",
-        "AGC's λ.",
-        lambda self, v: _validation.check_positive(v, "clip_factor"),
-    )
-    eps = delegated(
-        "_loop.update.eps",
-        "AGC's ε (floor of a unit's weight norm).",
-        lambda self, v: _validation.check_positive(v, "eps", allow_zero=True),
-    )
-    grad_scaler = delegated("_loop.scaler.scaler", "The GradScaler of the losses, or None.")
-    max_grad_norm = delegated("_loop.max_grad_norm", "The clip threshold.", check_max_norm)
-    leftover = delegated("_loop.leftover", "flush()'s partial cycle: apply/carry.", check_leftover)
-    on_nonfinite = delegated("_loop.on_nonfinite", "What a non-finite cycle does.", check_policy)
-    model = delegated("_loop.model", "The module the parameters come from, or None.")
-    update_applied = delegated(
-        "_loop.update_applied", "Whether the last step() or flush() updated the weights."
-    )
-    last_grad_norm = delegated(
-        "_loop.last_grad_norm",
-        "With ``max_grad_norm``, the norm of the last cycle's averaged gradient before "
-        "clipping: a float for CPU parameters, a 0-dim device tensor for CUDA ones (the step "
-        "never waits for the GPU). NaN after a skipped cycle.",
-    )
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per update (may be changed between cycles; ranks must agree)."""
+        return self._loop.cycle.accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        self._loop.cycle.set_accum_steps(_validation.check_accum_steps(value))
 
     @property
     def reduction(self) -> str:
@@ -220,16 +215,84 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def reduction(self, value: str) -> None:
         value = _validation.check_choice(value, "reduction", REDUCTIONS)
         cycle = self._loop.cycle
-        if value != cycle.reduction:
-            if cycle.micro_step > 0:
-                raise ValueError(
-                    f"reduction can change between cycles only ({cycle.micro_step} "
-                    f"micro-batches of this cycle are accumulated as {cycle.reduction!r}; "
-                    "flush() first)"
-                )
-            if value == "running_mean" and self._loop.views is not None:
-                raise ValueError("gradient_as_view needs reduction='mean' or 'sum'")
-        cycle.reduction = value
+        if value == "running_mean" and self._loop.views is not None and cycle.micro_step == 0:
+            raise ValueError("gradient_as_view needs reduction='mean' or 'sum'")
+        cycle.set_reduction(value)
+
+    @property
+    def clip_factor(self) -> float:
+        """AGC's λ."""
+        return self._loop.update.clip_factor
+
+    @clip_factor.setter
+    def clip_factor(self, value: float) -> None:
+        self._loop.configure(clip_factor=_validation.check_positive(value, "clip_factor"))
+
+    @property
+    def eps(self) -> float:
+        """AGC's ε (floor of a unit's weight norm)."""
+        return self._loop.update.eps
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self._loop.configure(eps=_validation.check_positive(value, "eps", allow_zero=True))
+
+    @property
+    def grad_scaler(self) -> Any:
+        """The GradScaler of the losses, or None."""
+        return self._loop.scaler.scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, value: Any) -> None:
+        self._loop.configure(grad_scaler=value)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clip threshold."""
+        return self._loop.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._loop.configure(max_grad_norm=check_max_norm(self, value))
+
+    @property
+    def leftover(self) -> str:
+        """flush()'s partial cycle: apply/carry."""
+        return self._loop.leftover
+
+    @leftover.setter
+    def leftover(self, value: str) -> None:
+        self._loop.configure(leftover=check_leftover(self, value))
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a non-finite cycle does."""
+        return self._loop.on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: str) -> None:
+        self._loop.configure(on_nonfinite=check_policy(self, value))
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The module the parameters come from, or None."""
+        return self._loop.model
+
+    @model.setter
+    def model(self, value: torch.nn.Module | None) -> None:
+        self._loop.configure(model=value)
+
+    @property
+    def update_applied(self) -> bool:
+        """Whether the last step() or flush() updated the weights."""
+        return self._loop.update_applied
+
+    @property
+    def last_grad_norm(self) -> Any:
+        """With ``max_grad_norm``, the norm of the last cycle's averaged gradient before
+        clipping: a float for CPU parameters, a 0-dim device tensor for CUDA ones (the step
+        never waits for the GPU). NaN after a skipped cycle."""
+        return self._loop.last_grad_norm
 
     @property
     def use_agc(self) -> bool:
@@ -241,10 +304,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         value = _validation.check_bool(value, "use_agc")
         if value and self.max_grad_norm is not None:
             raise ValueError(EXCLUSIVE_CLIPPING)
-        loop = self._loop
-        loop.update.agc_skip = (
-            _params.agc_excluded(loop.params, loop.agc_exclude) if value else None
-        )
+        self._loop.configure(use_agc=value)
 
     # ---- the inner optimizer's state, always its current objects ----
 
@@ -282,21 +342,23 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         """Whether the accumulators are reduced over a torch.distributed group once per cycle."""
         return self._loop.distributed
 
-    collectives = delegated(
-        "_loop.reducer.collectives",
-        "Collectives launched by this optimizer's reductions so far (0 when not distributed).",
-        read_only=True,
-    )
-    bytes_reduced = delegated(
-        "_loop.reducer.bytes_reduced",
-        "Bytes this rank has handed to all-reduce so far.",
-        read_only=True,
-    )
-    num_buckets = delegated(
-        "_loop.reducer.num_buckets",
-        "Reduction buckets (one collective each per cycle; 0 when not distributed).",
-        read_only=True,
-    )
+    @property
+    def collectives(self) -> int:
+        """Collectives launched by this optimizer's reductions so far (0 when not distributed)."""
+        reducer = self._loop.reducer
+        return 0 if reducer is None else reducer.collectives
+
+    @property
+    def bytes_reduced(self) -> int:
+        """Bytes this rank has handed to all-reduce so far."""
+        reducer = self._loop.reducer
+        return 0 if reducer is None else reducer.bytes_reduced
+
+    @property
+    def num_buckets(self) -> int:
+        """Reduction buckets (one collective each per cycle; 0 when not distributed)."""
+        reducer = self._loop.reducer
+        return 0 if reducer is None else reducer.num_buckets
 
     def is_boundary_next(self) -> bool:
         """True if the next ``step()`` call ends a cycle (and applies an update)."""

@@ -39,6 +39,7 @@ from packaging.version import Version
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from gradient_accumulator._reaches import Reach
 from gradient_accumulator.torch._options import HOOK_DICTS
 from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
 
@@ -47,6 +48,29 @@ __all__ = ["GradientAccumulationTrainer", "is_causal_lm", "target_tokens"]
 IGNORE_INDEX = -100
 # The oldest transformers the integration is tested with (and the [integrations] extra allows).
 MIN_TRANSFORMERS = "5.17"
+
+# transformers' internals the package relies on (probed by the integration tests).
+REACHES = (
+    Reach(
+        "transformers",
+        "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+        "5.23.0",
+        "recognising a causal LM, whose labels are shifted by one (is_causal_lm)",
+    ),
+    Reach(
+        "transformers",
+        "transformers.loss.loss_utils.LOSS_MAPPING, ForCausalLMLoss",
+        "5.23.0",
+        "recognising a model given the causal-LM loss by its loss_type (is_causal_lm)",
+    ),
+    Reach(
+        "transformers",
+        "PreTrainedModel()._loss_function",
+        "5.23.0",
+        "recognising a model given the causal-LM loss through model.loss_function = ... "
+        "(is_causal_lm)",
+    ),
+)
 
 
 def check_transformers_version(version: str) -> None:

@@ -433,7 +433,7 @@ def test_engine_refuses_naming_another_weight_after_an_early_fold():
 
     accs = [torch.zeros(3), torch.zeros(2)]
     cycle = Cycle(accs, 2, "mean")
-    cycle.named_weight = 2.0
+    cycle.name_weight(2.0)
     cycle.fold_one(0, torch.ones(3), cycle.hook_weight())
     cycle.check_named_weight(2.0)  # the same weight again is fine
     with pytest.raises(ValueError, match="already folded in with weight 2.0"):

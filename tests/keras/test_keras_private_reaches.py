@@ -1,0 +1,160 @@
+"""Every private part of Keras the package relies on is still there (on this backend).
+
+Each record of ``keras/_compat.py``'s ``REACHES`` has a probe here that exercises it as the
+package does; a probe that fails names the record, the installed Keras and the version it was
+checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import pytest
+
+from gradient_accumulator._reaches import Reach, moved
+from gradient_accumulator.keras import (
+    FlushAccumulation,
+    GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+    _compat,
+)
+
+
+def _mlp() -> tuple:
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="relu")(inputs)
+    return inputs, keras.layers.Dense(1)(hidden)
+
+
+def _tracking() -> None:
+    from keras.src.utils.tracking import no_automatic_dependency_tracking
+
+    class Holder(keras.layers.Layer):
+        @no_automatic_dependency_tracking
+        def keep(self) -> None:
+            self.kept = [keras.Variable(1.0)]
+
+    holder = Holder()
+    holder.keep()
+    assert not holder.weights, "an untracked container's variable was tracked"
+
+
+def _optimizer() -> None:
+    opt = keras.optimizers.SGD(0.1, weight_decay=0.01)
+    v = keras.Variable(np.ones(2, "float32"))
+    opt.build([v])
+    for name in (
+        "_iterations",
+        "_variables",
+        "_trainable_variables",
+        "_track_variable",
+        "_get_variable_index",
+        "_check_variables_are_known",
+        "_clip_gradients",
+    ):
+        assert hasattr(opt, name), f"keras.optimizers.Optimizer has no {name}"
+    assert opt._get_variable_index(v) == 0
+    assert opt._use_weight_decay(v) is True
+    opt.exclude_from_weight_decay(var_names=[v.name])
+    assert opt._use_weight_decay(v) is False
+
+
+def _build_shapes() -> None:
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 3))
+    assert tuple(layer._build_shapes_dict["input_shape"]) == (None, 3)
+
+
+def _flatten_layers() -> None:
+    model = keras.Model(*_mlp())
+    layers = list(model._flatten_layers(include_self=False))
+    assert model not in layers
+    assert sum(isinstance(layer, keras.layers.Dense) for layer in layers) == 2
+
+
+def _jax_state() -> None:
+    if keras.backend.backend() != "jax":
+        return  # JAX only: the JAX run of the Keras tests probes it
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            seen.append(getattr(self._model, "_jax_state", None))
+
+    model = keras.Model(*_mlp())
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[Probe()])
+    assert seen and all(s and "optimizer_variables" in s for s in seen)
+
+
+def _callback_model() -> None:
+    callback = keras.callbacks.Callback()
+    model = keras.Model(*_mlp())
+    callback.set_model(model)
+    assert callback._model is model
+
+
+def _fit_hook() -> None:
+    model = keras.Model(*_mlp())
+    model.compile(GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2), "mse")
+    other = keras.callbacks.Callback()
+    x, y = np.ones((6, 3), "float32"), np.ones((6, 1), "float32")
+    order = []
+
+    class First(keras.callbacks.Callback):
+        def on_train_begin(self, logs: object = None) -> None:
+            order.append("user")
+
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[First(), other])  # 3 batches
+    assert int(model.optimizer.iterations) == 2, "fit's short last cycle was not applied"
+    callbacks = keras.callbacks.CallbackList([other], model=model)
+    assert isinstance(callbacks.callbacks[0], FlushAccumulation)
+
+
+def _clone_frame() -> None:
+    inputs, outputs = _mlp()
+    model = GradientAccumulateModel(accum_steps=3, leftover="carry", inputs=inputs, outputs=outputs)
+    clone = keras.models.clone_model(model)
+    assert type(clone) is GradientAccumulateModel
+    assert (clone.accum_steps, clone.leftover) == (3, "carry"), "the clone lost its settings"
+
+
+def _loss_scale_frame() -> None:
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+    keras.optimizers.LossScaleOptimizer(opt, initial_scale=32.0, dynamic_growth_steps=7)
+    assert opt.mixed_precision, "the wrapper did not learn that a LossScaleOptimizer wraps it"
+    assert (opt.initial_scale, opt.dynamic_growth_steps) == (32.0, 7)
+
+
+PROBES: dict[str, Callable[[], None]] = dict(
+    zip(
+        [r.target for r in _compat.REACHES],
+        [
+            _tracking,
+            _optimizer,
+            _build_shapes,
+            _flatten_layers,
+            _jax_state,
+            _callback_model,
+            _fit_hook,
+            _clone_frame,
+            _loss_scale_frame,
+        ],
+    )
+)
+
+
+def test_every_reach_has_a_probe():
+    assert len(PROBES) == len(_compat.REACHES)
+    assert all(r.library == "keras" for r in _compat.REACHES)
+
+
+@pytest.mark.parametrize("reach", _compat.REACHES, ids=lambda r: r.target.split(" ")[0])
+def test_reach_is_where_it_was(reach: Reach):
+    try:
+        PROBES[reach.target]()
+    except Exception as e:  # whatever the upgrade broke, name the reach
+        pytest.fail(moved(reach, f"{type(e).__name__}: {e}"), pytrace=False)

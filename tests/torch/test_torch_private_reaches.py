@@ -1,0 +1,145 @@
+"""Every private part of torch (and of the interpreter) the package relies on is still there.
+
+Each record of ``torch/_glue.py``'s and ``_reaches.py``'s ``REACHES`` has a probe here that
+exercises it as the package does; a probe that fails names the record, the installed version
+and the one it was checked against.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from gradient_accumulator import _reaches
+from gradient_accumulator._reaches import Reach, moved
+from gradient_accumulator.torch import _glue
+from gradient_accumulator.torch._options import HOOK_DICTS
+
+
+def _hook_dicts() -> None:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    for name in HOOK_DICTS:
+        assert isinstance(getattr(opt, name, None), dict), f"no dict {name} on an optimizer"
+
+
+def _global_hooks() -> None:
+    from torch.optim import optimizer as topt
+
+    seen = []
+    handle = topt.register_optimizer_step_pre_hook(lambda *a: seen.append("pre"))
+    handle_post = topt.register_optimizer_step_post_hook(lambda *a: seen.append("post"))
+    try:
+        assert len(topt._global_optimizer_pre_hooks) >= 1
+        assert len(topt._global_optimizer_post_hooks) >= 1
+        for hook in topt._global_optimizer_pre_hooks.values():
+            hook(None, (), {})
+        for hook in topt._global_optimizer_post_hooks.values():
+            hook(None, (), {})
+        assert seen == ["pre", "post"]
+    finally:
+        handle.remove()
+        handle_post.remove()
+
+
+def _opt_called() -> None:
+    def scheduler_warns(mark: bool) -> bool:
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        if mark:
+            opt._opt_called = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched.step()
+        return any("optimizer.step()" in str(w.message) for w in caught)
+
+    assert scheduler_warns(False), "the scheduler no longer warns about a missing step"
+    assert not scheduler_warns(True), "the scheduler no longer reads _opt_called"
+
+
+def _foreach_add() -> None:
+    steps = [torch.tensor(1.0), torch.tensor(4.0)]
+    torch._foreach_add_(steps, 1)
+    assert [float(s) for s in steps] == [2.0, 5.0]
+
+
+def _scaler_scale() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert scaler._scale is None, "a new GradScaler has a scale tensor before scaling"
+    scaler.scale(torch.ones(()))
+    assert isinstance(scaler._scale, torch.Tensor) and float(scaler._scale) == 8.0
+
+
+def _module_buffers() -> None:
+    bn = nn.BatchNorm1d(3)
+    assert bn._buffers["running_mean"] is bn.running_mean
+    bn._buffers["running_mean"] = torch.ones(3)
+    assert float(bn.running_mean.sum()) == 3.0
+
+
+def _tensor_version() -> None:
+    t = torch.zeros(2)
+    before = t._version
+    t.add_(1)
+    assert t._version > before
+
+
+def _sync_patch() -> None:
+    from gradient_accumulator.torch.batchnorm import AccumBatchNorm1d
+
+    model = nn.Sequential(nn.Linear(2, 2), AccumBatchNorm1d(2, accum_steps=2), nn.BatchNorm1d(2))
+    out = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert type(out[1]) is AccumBatchNorm1d, "an AccumBatchNorm1d was replaced"
+    assert type(out[2]) is nn.SyncBatchNorm, "torch's own conversion no longer runs"
+    original = _glue._torch_convert_sync()
+    assert original.__module__ == "torch.nn.modules.batchnorm"
+
+
+def _frames() -> None:
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+
+    w = nn.Parameter(torch.zeros(2))
+    opt = GradientAccumulateOptimizer(torch.optim.SGD([w], lr=0.1), 1)
+    w.grad = torch.tensor([float("nan"), 0.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()  # the warning must point here
+    files = [w.filename for w in caught]
+    assert files == [__file__], f"the skipped-cycle warning points at {files}"
+
+
+PROBES: dict[str, Callable[[], None]] = {
+    _glue.REACHES[0].target: _hook_dicts,
+    _glue.REACHES[1].target: _global_hooks,
+    _glue.REACHES[2].target: _opt_called,
+    _glue.REACHES[3].target: _foreach_add,
+    _glue.REACHES[4].target: _scaler_scale,
+    _glue.REACHES[5].target: _module_buffers,
+    _glue.REACHES[6].target: _tensor_version,
+    _glue.REACHES[7].target: _sync_patch,
+    _reaches.REACHES[0].target: _frames,
+}
+REACHES = _glue.REACHES + _reaches.REACHES
+
+
+def test_every_reach_has_a_probe():
+    assert {r.target for r in REACHES} == set(PROBES)
+    assert all(r.library in ("torch", "python") for r in REACHES)
+
+
+@pytest.mark.parametrize("reach", REACHES, ids=lambda r: r.target.split(" ")[0])
+def test_reach_is_where_it_was(reach: Reach):
+    try:
+        PROBES[reach.target]()
+    except Exception as e:  # whatever the upgrade broke, name the reach
+        pytest.fail(moved(reach, f"{type(e).__name__}: {e}"), pytrace=False)
+
+
+def test_the_message_names_the_reach_and_versions():
+    message = moved(_glue.REACHES[2], "AttributeError: gone")
+    assert message.startswith(f"torch {torch.__version__.split('+')[0]}") or "torch 2" in message
+    assert "_opt_called" in message and "checked against torch 2.13.0" in message
+    assert "AttributeError: gone" in message and "LR scheduler" in message
