@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,16 +78,24 @@ def results(tmp_path_factory) -> list[dict]:
             )
         )
     try:
-        for proc, _ in procs:
-            proc.wait(timeout=540)
+        # A worker that fails leaves the other waiting in a collective: stop it at once.
+        deadline = time.monotonic() + 540
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc, _ in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.5)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             log.close()
-    for index, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (out / f"worker{index}.log").read_text()[-4000:]
+    codes = [proc.returncode for proc, _ in procs]
+    assert codes == [0] * WORKERS, "\n".join(
+        f"worker {i} exited with {c}:\n{(out / f'worker{i}.log').read_text()[-3000:]}"
+        for i, c in enumerate(codes)
+    )
     return [json.loads((out / f"worker{i}.json").read_text()) for i in range(WORKERS)]
 
 
