@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 ACCUM, MICRO, SAMPLES, EPOCHS = 4, 8, 64, 2
+CLIPNORM = 0.05  # below the gradients' global norm, so every update is clipped
 WRAPPERS = ("model", "optimizer")
 
 
@@ -37,8 +38,9 @@ def initial_weights():
     return [(0.5 * rng.normal(size=s)).astype("float32") for s in shapes]
 
 
-def build(wrapper: str, accum: int):
-    """Dense(8, tanh) → Dense(3), compiled with Adam (eagerly traced, not XLA-compiled)."""
+def build(wrapper: str, accum: int, global_clipnorm: float | None = None):
+    """Dense(8, tanh) → Dense(3), compiled with Adam (traced, not XLA-compiled); with
+    ``global_clipnorm``, clipped by Keras (plain) or by the wrapper (cycle's gradient)."""
     import keras
 
     from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
@@ -46,7 +48,8 @@ def build(wrapper: str, accum: int):
     inputs = keras.Input((6,))
     h = keras.layers.Dense(8, activation="tanh")(inputs)
     outputs = keras.layers.Dense(3)(h)
-    inner = keras.optimizers.Adam(0.05)
+    clip = {} if global_clipnorm is None else {"global_clipnorm": global_clipnorm}
+    inner = keras.optimizers.Adam(0.05, **(clip if wrapper == "plain" else {}))
     if wrapper == "plain":
         model = keras.Model(inputs, outputs)
         model.compile(inner, loss="mse", jit_compile=False)
@@ -56,7 +59,9 @@ def build(wrapper: str, accum: int):
     else:
         model = keras.Model(inputs, outputs)
         model.compile(
-            GradientAccumulateOptimizer(inner, accum_steps=accum), loss="mse", jit_compile=False
+            GradientAccumulateOptimizer(inner, accum_steps=accum, **clip),
+            loss="mse",
+            jit_compile=False,
         )
     model.set_weights(initial_weights())
     return model
@@ -175,6 +180,15 @@ def main(out_dir: str) -> None:
         entry["resumed_weights"] = flat(resumed)
         entry["resumed_iterations"] = int(resumed.optimizer.iterations.numpy())
         result[wrapper] = entry
+    # The wrapper's global-norm clipping (last: under this strategy it fails while the step is
+    # traced, before any collective runs).
+    with strategy.scope():
+        model = build("optimizer", ACCUM, global_clipnorm=CLIPNORM)
+    try:
+        model.fit(batches(0, SAMPLES, MICRO), epochs=EPOCHS, verbose=0)
+        result["clipped"] = {"weights": flat(model)}
+    except Exception as e:  # reported to the test, which expects it to pass
+        result["clipped"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     with open(os.path.join(out_dir, f"worker{index}.json"), "w") as f:
         json.dump(result, f)
 
