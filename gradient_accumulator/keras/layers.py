@@ -98,7 +98,23 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         super().build(input_shape)
         shape = (input_shape[self.axis],)
 
-        def state(name: str, shape: tuple, dtype: str = "float32") -> Any:
+        def state(name: str, shape: tuple, dtype: str = "float32", like: Any = None) -> Any:
+            layout = getattr(like, "_layout", None)
+            if layout is not None:
+                # Under a Keras distribution, laid out like the moving statistic it merges
+                # into (a LayoutMap's paths do not name these weights).
+                with keras.name_scope(self.name, caller=self):
+                    variable = keras.Variable(
+                        initializer="zeros",
+                        shape=shape,
+                        dtype=dtype,
+                        trainable=False,
+                        autocast=False,
+                        layout=layout,
+                        name=name,
+                    )
+                self._track_variable(variable)
+                return variable
             return self.add_weight(
                 shape=shape,
                 name=name,
@@ -111,8 +127,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         # Only the channel axis is fixed, not the rank (BatchNormalization pins both): one layer
         # may follow a Dense and a Conv2D of the same width, as the original layer allowed.
         self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={self.axis: shape[0]})
-        self.accum_mean = state("accum_mean", shape)
-        self.accum_variance = state("accum_variance", shape)
+        self.accum_mean = state("accum_mean", shape, like=self.moving_mean)
+        self.accum_variance = state("accum_variance", shape, like=self.moving_variance)
         self.accum_count = state("accum_count", ())
         self.accum_step = state("accum_step", (), "int32")
 

@@ -542,7 +542,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         for v in var_list:
             path = getattr(v, "path", v.name).replace("/", "_")
             if strategy is None:
-                acc = self.add_variable(shape=v.shape, dtype="float32", name=f"{path}_accumulator")
+                # Laid out like its variable under a Keras distribution (a sharded kernel gets
+                # a sharded accumulator): the paths of a LayoutMap do not match ours.
+                acc = self.add_variable(
+                    shape=v.shape,
+                    dtype="float32",
+                    layout=getattr(v, "_layout", None),
+                    name=f"{path}_accumulator",
+                )
             else:
                 # Replica-local: each replica sums its own gradients; read (and saved) as the
                 # mean over replicas, which restores to every replica and so keeps the sum.
