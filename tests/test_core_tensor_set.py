@@ -211,6 +211,20 @@ def test_gradients_that_cannot_be_read_directly_keep_their_refusals():
     assert not any(t.any() for t in accs)
 
 
+def test_a_member_whose_class_changed_is_imported_and_compared():
+    class Marked(torch.Tensor):
+        pass
+
+    accs = [torch.zeros(4), torch.zeros(4)]
+    s = core.tensor_set(accs)
+    accs[1].__class__ = Marked  # no longer a plain tensor: not read directly
+    core.accumulate(s, [torch.ones(4), torch.full((4,), 2.0)], weight=0.5)
+    assert accs[0].tolist() == [0.5] * 4 and accs[1].tolist() == [1.0] * 4
+    accs[1].resize_(2)
+    with pytest.raises(ValueError, match=r"accumulators\[1\] was resized"):
+        core.accumulate(s, [torch.ones(4), torch.ones(4)])
+
+
 def test_a_numpy_set_is_checked_on_every_call():
     accs = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
     s = core.tensor_set(accs)

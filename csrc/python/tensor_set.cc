@@ -401,10 +401,12 @@ void check_set(const std::shared_ptr<TensorSet>& set, const std::string& name, b
     if (obj == nullptr) throw py::error_already_set();
     if (obj == Py_None) stale(item(name, i), "was freed");
     out.held.push_back(py::reinterpret_borrow<py::object>(obj));
-    if (e.has_snap) {
+    const TorchAccess* access = e.has_snap ? torch_access(obj) : nullptr;
+    if (access != nullptr) {
       // Read straight from torch's objects: unchanged, the registration's checks still hold.
+      // (No access: the object's class was changed since; it is imported and compared.)
       TorchSnap now;
-      if (snap_of(*torch_access(obj), *torch_layout(), obj, now) && same_snap(now, e.snap)) {
+      if (snap_of(*access, *torch_layout(), obj, now) && same_snap(now, e.snap)) {
         out.desc.push_back(e.desc);
         out.layout.push_back(&e.layout);
         continue;
