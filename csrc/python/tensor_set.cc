@@ -242,17 +242,23 @@ TorchLayout probe_layout() {
   return L;
 }
 
-/// The layout, probed on first use (nullptr when the direct reads are off).
+/// The layout, probed on first use (nullptr when the direct reads are off). Callers hold the
+/// GIL; the probe runs Python code, during which another thread may take the GIL and call here:
+/// it gets nullptr (torch's accessors) rather than waiting on a static initialiser while holding
+/// the GIL the probe needs.
 const TorchLayout* torch_layout() {
-  static const TorchLayout* layout = [] {
-    TorchLayout L;
-    try {
-      L = probe_layout();
-    } catch (const py::error_already_set&) {
-      L.ok = false;  // an older or newer torch without an accessor the probes use
-    }
-    return L.ok ? new TorchLayout(L) : nullptr;
-  }();
+  static const TorchLayout* layout = nullptr;
+  static int state = 0;  // 0: not probed, 1: probing, 2: done
+  if (state != 0) return state == 2 ? layout : nullptr;
+  state = 1;
+  TorchLayout L;
+  try {
+    L = probe_layout();
+  } catch (const std::exception&) {
+    L.ok = false;  // a torch without an accessor the probes use, or one they cannot read
+  }
+  layout = L.ok ? new TorchLayout(L) : nullptr;  // leaked on purpose, like TorchAccess
+  state = 2;
   return layout;
 }
 
