@@ -446,10 +446,20 @@ def _units(
 ) -> list:
     if type(tensors).__name__ == "TensorSet":
         # A set's shapes are fixed (a call refuses a resized tensor): its units are worked out once.
-        key = layout if isinstance(layout, str) else tuple(map(tuple, layout))
         cache = tensors.__dict__.setdefault("_units", {})
+        if isinstance(layout, str):
+            key = layout
+        else:
+            # The last list of (fan-in, order) tuples, compared item by item (identical tuples
+            # compare without a look inside), saves hashing one tuple per tensor per call.
+            last = cache.get(None)
+            if last is not None and isinstance(layout, list) and last[0] == layout:
+                return last[1]
+            key = tuple(map(tuple, layout))
         if key not in cache:
             cache[key] = _units([tensors[i] for i in range(len(tensors))], layout, name)
+        if isinstance(layout, list) and all(type(u) is tuple for u in layout):
+            cache[None] = (list(layout), cache[key])  # tuples: what they hold cannot change
         return cache[key]
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")

@@ -93,6 +93,22 @@ def _transpose_in_place(t):
     t.data = t.data.view(2, 3).t()
 
 
+def _storage_freed(t):
+    t.untyped_storage().resize_(0)  # what FSDP does to a sharded parameter's storage
+
+
+def _storage_moved(t):
+    t.untyped_storage().resize_(4096)  # a larger allocation: the elements move
+
+
+def _set_same_storage_transposed(t):
+    t.set_(t.untyped_storage(), 0, (3, 2), (1, 3))  # same pointer and count, another layout
+
+
+def _set_same_storage_shifted(t):
+    t.set_(t.untyped_storage(), 1, (5,), (1,))
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -102,8 +118,23 @@ def _transpose_in_place(t):
         (_dtype, "changed dtype from torch.float32 to torch.float64"),
         (_device, "was re-allocated or moved to another device"),
         (_transpose_in_place, "was resized|changed its memory layout"),
+        (_storage_freed, "was re-allocated or moved"),
+        (_storage_moved, "was re-allocated or moved"),
+        (_set_same_storage_transposed, "changed its memory layout"),
+        (_set_same_storage_shifted, "was resized from 6 to 5 elements"),
     ],
-    ids=["resize_", "set_", "data=", "dtype", "device", "layout"],
+    ids=[
+        "resize_",
+        "set_",
+        "data=",
+        "dtype",
+        "device",
+        "layout",
+        "storage-freed",
+        "storage-moved",
+        "set_-strides",
+        "set_-offset",
+    ],
 )
 def test_a_changed_tensor_is_refused_by_name_and_nothing_is_written(change, message):
     accs, grads = _lists()
@@ -120,6 +151,78 @@ def test_a_changed_tensor_is_refused_by_name_and_nothing_is_written(change, mess
             assert torch.equal(t.detach(), k)
     with pytest.raises(ValueError, match=r"accumulators\[3\]"):
         core.accumulate(sets[1], grads)
+
+
+def test_torch_tensors_are_re_checked_by_direct_reads():
+    # The fast re-check reads torch's metadata directly; with a torch whose objects it cannot
+    # map it falls back to torch's accessors (slower, the same checks). This torch is mapped.
+    assert core.load_core()._torch_direct_reads()
+
+
+def test_a_set_stays_valid_through_in_place_updates_and_autograd_flags():
+    accs, grads = _lists()
+    params = [torch.nn.Parameter(torch.randn(6)) for _ in accs]
+    sets = core.tensor_set(params), core.tensor_set(accs)
+    with torch.no_grad():
+        for p in params:
+            p.mul_(0.5)  # bumps the version counter, moves nothing
+    params[1].requires_grad_(False)
+    want = [p.detach().double() - 0.1 * a.double() for p, a in zip(params, accs)]
+    core.apply(*sets, optimizer="sgd", lr=0.1)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_gradients_read_directly_land_where_their_data_pointer_says(dtype):
+    # Gradients that are views at offsets into one flat buffer (their data pointer is the
+    # storage's plus an offset), of every dtype, as parameters' .grad: the set call equals the
+    # list call bit for bit and the fp64 reference.
+    g = torch.Generator().manual_seed(5)
+    shapes = [(6,), (2, 3), (4, 1, 3), (1,), (3, 5)]
+    accs = [torch.randn(s, generator=g) for s in shapes]
+    flat = torch.randn(sum(int(np.prod(s)) for s in shapes) + 3, generator=g).to(dtype)
+    grads, at = [], 3
+    for s in shapes:
+        n = int(np.prod(s))
+        grads.append(flat[at : at + n].view(s))
+        at += n
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    on_list = [a.clone() for a in accs]
+    core.accumulate(on_list, [p.grad for p in params], weight=0.25)
+    want = [a.double() + 0.25 * gr.double() for a, gr in zip(accs, grads)]
+    core.accumulate(core.tensor_set(accs), [p.grad for p in params], weight=0.25)
+    for a, b, w in zip(accs, on_list, want):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.double(), w, rtol=1e-7, atol=1e-7)
+
+
+def test_gradients_that_cannot_be_read_directly_keep_their_refusals():
+    accs = [torch.zeros(6), torch.zeros(2, 3)]
+    s = core.tensor_set(accs)
+    with pytest.raises(TypeError, match=r"grads\[1\] has an unsupported dtype"):
+        core.accumulate(s, [torch.ones(6), torch.ones(2, 3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"grads\[0\] is not contiguous"):
+        core.accumulate(s, [torch.ones(3, 2).t(), torch.ones(2, 3)])
+    with pytest.raises(ValueError, match=r"grads\[1\]"):
+        core.accumulate(s, [torch.ones(6), torch.ones(3, 3)])
+    assert not any(t.any() for t in accs)
+
+
+def test_a_member_whose_class_changed_is_imported_and_compared():
+    class Marked(torch.Tensor):
+        pass
+
+    accs = [torch.zeros(4), torch.zeros(4)]
+    s = core.tensor_set(accs)
+    accs[1].__class__ = Marked  # no longer a plain tensor: not read directly
+    core.accumulate(s, [torch.ones(4), torch.full((4,), 2.0)], weight=0.5)
+    assert accs[0].tolist() == [0.5] * 4 and accs[1].tolist() == [1.0] * 4
+    accs[1].resize_(2)
+    with pytest.raises(ValueError, match=r"accumulators\[1\] was resized"):
+        core.accumulate(s, [torch.ones(4), torch.ones(4)])
 
 
 def test_a_numpy_set_is_checked_on_every_call():

@@ -168,13 +168,13 @@ void check_all_cuda(std::initializer_list<std::pair<const ga_tensor_list*, const
     }
 }
 
-void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name) {
+void add_range(std::vector<Range>& out, const ga_tensor& t, const char* name) {
   if (t.numel == 0) return;
   const uintptr_t b = reinterpret_cast<uintptr_t>(t.data);
   out.push_back(Range{b, b + static_cast<uintptr_t>(t.numel) * ga_dtype_size(t.dtype), name});
 }
 
-void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const std::string& name) {
+void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const char* name) {
   out.reserve(out.size() + static_cast<size_t>(list.size));
   for (int64_t i = 0; i < list.size; ++i) {
     const ga_tensor& t = list.tensors[i];
@@ -185,33 +185,45 @@ void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const std::
 }
 
 void check_disjoint(const std::vector<Range>& written, const std::vector<Range>& read) {
-  // Sort all ranges by start; an overlap with a written range is an error.
+  // Sort all ranges by start; an overlap with a written range is an error. The sort keys are
+  // held by value (no indirection in the comparisons): a call on many tensors sorts them all.
   struct Tagged {
-    const Range* r;
+    uintptr_t begin, end;
+    uint32_t index;  // into written, then read
     bool w;
   };
-  std::vector<Tagged> all;
+  static thread_local std::vector<Tagged> all;
+  all.clear();
   all.reserve(written.size() + read.size());
-  for (const Range& r : written) all.push_back({&r, true});
-  for (const Range& r : read) all.push_back({&r, false});
-  std::sort(all.begin(), all.end(), [](const Tagged& a, const Tagged& b) {
-    return a.r->begin < b.r->begin || (a.r->begin == b.r->begin && a.w > b.w);
-  });
+  uint32_t k = 0;
+  for (const Range& r : written) all.push_back({r.begin, r.end, k++, true});
+  for (const Range& r : read) all.push_back({r.begin, r.end, k++, false});
+  const size_t nw = written.size();
+  auto range = [&](const Tagged& t) -> const Range& {
+    return t.index < nw ? written[t.index] : read[t.index - nw];
+  };
+  // Ranges are mostly in address order already (tensors allocated one after another): check
+  // before sorting.
+  auto before = [](const Tagged& a, const Tagged& b) {
+    return a.begin < b.begin || (a.begin == b.begin && a.w > b.w);
+  };
+  if (!std::is_sorted(all.begin(), all.end(), before)) std::sort(all.begin(), all.end(), before);
   // Sweep: keep the written range reaching furthest and the any-range reaching furthest.
-  const Range* far_w = nullptr;
-  const Range* far_any = nullptr;
+  const Tagged* far_w = nullptr;
+  const Tagged* far_any = nullptr;
   for (const Tagged& t : all) {
-    if (t.w && far_any && far_any->end > t.r->begin) {
-      fail(
-          kGaInvalidArgument, t.r->name(),
-          t.r->name() + " overlaps " + far_any->name() + " in memory (the buffers must not alias)");
+    if (t.w && far_any && far_any->end > t.begin) {
+      fail(kGaInvalidArgument, range(t).name(),
+           range(t).name() + " overlaps " + range(*far_any).name() +
+               " in memory (the buffers must not alias)");
     }
-    if (!t.w && far_w && far_w->end > t.r->begin) {
-      fail(kGaInvalidArgument, far_w->name(),
-           far_w->name() + " overlaps " + t.r->name() + " in memory (the buffers must not alias)");
+    if (!t.w && far_w && far_w->end > t.begin) {
+      fail(kGaInvalidArgument, range(*far_w).name(),
+           range(*far_w).name() + " overlaps " + range(t).name() +
+               " in memory (the buffers must not alias)");
     }
-    if (t.w && (!far_w || t.r->end > far_w->end)) far_w = t.r;
-    if (!far_any || t.r->end > far_any->end) far_any = t.r;
+    if (t.w && (!far_w || t.end > far_w->end)) far_w = &t;
+    if (!far_any || t.end > far_any->end) far_any = &t;
   }
 }
 

@@ -162,12 +162,14 @@ void check_all_cuda(std::initializer_list<std::pair<const ga_tensor_list*, const
 /// A named byte range, for overlap checks.
 struct Range {
   uintptr_t begin, end;
-  std::string base;    // the tensor's name, or its list's
+  const char* base;    // the tensor's name, or its list's (a string literal)
   int64_t index = -1;  // its index in the list (the name is built only for an error)
-  std::string name() const { return index < 0 ? base : item(base, index); }
+  std::string name() const { return index < 0 ? std::string(base) : item(base, index); }
 };
-void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const std::string& name);
-void add_range(std::vector<Range>& out, const ga_tensor& t, const std::string& name);
+/// `name` must outlive the ranges (the callers pass string literals): nothing is copied per
+/// tensor.
+void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const char* name);
+void add_range(std::vector<Range>& out, const ga_tensor& t, const char* name);
 /// Fails with kGaInvalidArgument naming both tensors if any two written ranges overlap, or a
 /// written range overlaps a read range (pairs listed in `allowed_same` may coincide exactly).
 void check_disjoint(const std::vector<Range>& written, const std::vector<Range>& read);

@@ -7,6 +7,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -24,17 +25,36 @@ class StaleTensorError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// What a plain torch tensor's metadata holds, read straight from torch's objects (see
+/// tensor_set.cc, TorchLayout): two snapshots that compare equal describe the same elements at
+/// the same address.
+struct TorchSnap {
+  const void* impl = nullptr;  // the tensor's TensorImpl
+  uintptr_t storage = 0;       // its StorageImpl
+  uintptr_t storage_data = 0;  // the storage's data pointer
+  int64_t storage_offset = 0;  // in elements
+  int64_t numel = 0;
+  int64_t ndim = 0;
+  int64_t sizes[5] = {};
+  int64_t strides[5] = {};
+  uint64_t keys = 0;  // dispatch keys (a negative-bit view, a wrapper tensor, ... differ)
+  uint16_t dtype = 0;
+  uint8_t device[3] = {};
+};
+
 /// One registered tensor.
 struct SetEntry {
-  py::object ref;        // a weak reference (a strong one for objects that take none)
-  bool weak = false;     // whether `ref` is a weakref
-  bool fast = false;     // a plain torch tensor: re-checked through torch's own accessors
-  ga_tensor desc{};      // as the core takes it
-  Layout layout;         // as imported
-  py::object dtype;      // torch: the dtype object
-  py::object shape;      // torch: the torch.Size
-  py::object strides;    // torch: stride() when not contiguous, else None
-  uintptr_t data_ptr{};  // torch: data_ptr()
+  py::object ref;         // a weak reference (a strong one for objects that take none)
+  bool weak = false;      // whether `ref` is a weakref
+  bool fast = false;      // a plain torch tensor: re-checked through torch's own accessors
+  ga_tensor desc{};       // as the core takes it
+  Layout layout;          // as imported
+  py::object dtype;       // torch: the dtype object
+  py::object shape;       // torch: the torch.Size
+  py::object strides;     // torch: stride() when not contiguous, else None
+  uintptr_t data_ptr{};   // torch: data_ptr()
+  bool has_snap = false;  // torch: `snap` taken (its metadata can be read directly)
+  TorchSnap snap;
 };
 
 /// A registered list of tensors (gradient_accumulator.core.TensorSet).
