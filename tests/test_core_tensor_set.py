@@ -2,6 +2,9 @@
 changed since it was registered refused by name with nothing written."""
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import numpy as np
@@ -157,6 +160,32 @@ def test_torch_tensors_are_re_checked_by_direct_reads():
     # The fast re-check reads torch's metadata directly; with a torch whose objects it cannot
     # map it falls back to torch's accessors (slower, the same checks). This torch is mapped.
     assert core.load_core()._torch_direct_reads()
+
+
+def test_direct_reads_can_be_turned_off_and_the_checks_stay():
+    # GA_TORCH_DIRECT_READS=0: every re-check goes through torch's accessors, same results and
+    # the same refusals. In a child process: the choice is made once per process.
+    code = (
+        "import torch; from gradient_accumulator import core\n"
+        "assert not core.load_core()._torch_direct_reads()\n"
+        "accs = [torch.zeros(5) for _ in range(3)]; s = core.tensor_set(accs)\n"
+        "g = [torch.full((5,), float(i)) for i in range(3)]\n"
+        "core.accumulate(s, g); core.accumulate(s, g)\n"
+        "assert all(torch.equal(a, 2 * x) for a, x in zip(accs, g))\n"
+        "accs[1].resize_(7)\n"
+        "try:\n"
+        "    core.accumulate(s, g)\n"
+        "except ValueError as e:\n"
+        "    assert 'accumulators[1]' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('a resized member was read')\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, GA_TORCH_DIRECT_READS="0")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_a_set_stays_valid_through_in_place_updates_and_autograd_flags():

@@ -1,6 +1,7 @@
 // Registered tensor sets (see tensor_set.h).
 #include "tensor_set.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -252,6 +253,11 @@ const TorchLayout* torch_layout() {
   if (state != 0) return state == 2 ? layout : nullptr;
   state = 1;
   TorchLayout L;
+  const char* env = std::getenv("GA_TORCH_DIRECT_READS");
+  if (env != nullptr && std::string(env) == "0") {
+    state = 2;  // turned off by the user: every re-check through torch's accessors
+    return nullptr;
+  }
   try {
     L = probe_layout();
   } catch (const std::exception&) {

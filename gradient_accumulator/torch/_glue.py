@@ -69,6 +69,14 @@ REACHES = (
     ),
     Reach(
         "torch",
+        "c10::TensorImpl / StorageImpl memory layout (read by the compiled module)",
+        TORCH,
+        "re-checking registered tensor sets without torch's Python accessors "
+        "(csrc/python/tensor_set.cc; probed at first use, falls back to the accessors when "
+        "the layout is not recognised; GA_TORCH_DIRECT_READS=0 turns it off)",
+    ),
+    Reach(
+        "torch",
         "patch: torch.nn.SyncBatchNorm.convert_sync_batchnorm",
         TORCH,
         "keeping AccumBatchNorm layers (which merge across ranks themselves) when a model is "

@@ -87,6 +87,15 @@ def _tensor_version() -> None:
     assert t._version > before
 
 
+def _tensor_impl_layout() -> None:
+    from gradient_accumulator import core
+
+    assert core.load_core()._torch_direct_reads(), (
+        "the compiled module no longer recognises torch's TensorImpl layout (registered sets "
+        "are re-checked through torch's accessors: correct, slower)"
+    )
+
+
 def _sync_patch() -> None:
     from gradient_accumulator.torch.batchnorm import AccumBatchNorm1d
 
@@ -119,7 +128,8 @@ PROBES: dict[str, Callable[[], None]] = {
     _glue.REACHES[4].target: _scaler_scale,
     _glue.REACHES[5].target: _module_buffers,
     _glue.REACHES[6].target: _tensor_version,
-    _glue.REACHES[7].target: _sync_patch,
+    _glue.REACHES[7].target: _tensor_impl_layout,
+    _glue.REACHES[8].target: _sync_patch,
     _reaches.REACHES[0].target: _frames,
 }
 REACHES = _glue.REACHES + _reaches.REACHES
