@@ -105,13 +105,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def accum_steps(self) -> int:
         """Micro-batches per moving-statistics update: the registered optimizer's
         ``accum_steps``, else the layer's own."""
-        owner = self.registered_optimizer
+        owner = self.registered_optimizer()
         return self._own_accum_steps if owner is None else owner.accum_steps
 
     @accum_steps.setter
     def accum_steps(self, value: int) -> None:
         value = _validation.check_accum_steps(value)
-        if self.registered_optimizer is not None:
+        if self.registered_optimizer() is not None:
             warnings.warn(
                 "accum_steps set on an AccumBatchNormalization registered with an optimizer is "
                 "ignored while it is registered: the layer follows the optimizer's accum_steps "
@@ -121,9 +121,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             )
         self._own_accum_steps = value
 
-    @property
     def registered_optimizer(self) -> Any:
-        """The ``GradientAccumulateOptimizer`` whose cycle this layer follows, or None."""
+        """The ``GradientAccumulateOptimizer`` whose cycle this layer follows, or None.
+
+        A method, not a property: Keras's saving walks every attribute of a layer, and would
+        reach the optimizer's state through the layer before the model's ``optimizer``."""
         ref = self._accumulator
         return None if ref is None else ref()
 

@@ -409,7 +409,6 @@ class _AccumBatchNormMixin:
             )
         self._accum_steps = value
 
-    @property
     def registered_optimizer(self) -> Any:
         """The ``GradientAccumulateOptimizer`` whose cycle this layer follows, or None."""
         return _owner(self)

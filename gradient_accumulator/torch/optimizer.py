@@ -27,12 +27,12 @@ from gradient_accumulator.torch._options import (
     delegated,
     inner_attribute,
 )
-from gradient_accumulator.torch.batchnorm import register as register_batchnorm
 from gradient_accumulator.torch._proxy import (
     install_lightning_forwarding,
     is_lightning_proxy,
     unwrap_optimizer,
 )
+from gradient_accumulator.torch.batchnorm import register as register_batchnorm
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
 
@@ -363,11 +363,12 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         """End of data: apply a partial cycle with its true weight (``leftover="apply"``).
 
         The ``AccumBatchNorm*d`` layers this optimizer knows (those of ``model`` and those
-        registered through ``convert_batchnorm(model, optimizer)``) fold their partial cycle into the running statistics at
-        the same time, so they stay in phase with the updates. With ``leftover="carry"`` the
-        partial cycle — of the optimizer and of those layers — is kept and continues with the
-        next data. Under torch.distributed every rank must call ``flush()`` (a rank with an
-        empty partial cycle still takes part in the reduction).
+        registered through ``convert_batchnorm(model, optimizer)``) fold their partial cycle
+        into the running statistics at the same time, so they stay in phase with the updates.
+        With ``leftover="carry"`` the partial cycle — of the optimizer and of those layers —
+        is kept and continues with the next data. Under torch.distributed every rank must
+        call ``flush()`` (a rank with an empty partial cycle still takes part in the
+        reduction).
 
         Returns:
             True if an update was applied.

@@ -68,7 +68,7 @@ def test_accum_steps_changed_between_cycles_keeps_batchnorm_in_phase(run_eagerly
     model.fit(x[4 * B :], y[4 * B :], batch_size=B, shuffle=False, verbose=0)
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 4
     _check(layer, x, [(0, 2 * B), (2 * B, 4 * B), (4 * B, 8 * B), (8 * B, 12 * B)])
-    assert layer.accum_steps == 4 and layer.registered_optimizer is model.optimizer
+    assert layer.accum_steps == 4 and layer.registered_optimizer() is model.optimizer
 
 
 @pytest.mark.parametrize("run_eagerly", [True, False], ids=["eager", "compiled"])
@@ -92,7 +92,7 @@ def test_unregistered_layer_keeps_its_own_accum_steps():
     x, _ = _data(6 * B)
     for j in range(6):
         layer(x[j * B : (j + 1) * B], training=True)
-    assert layer.registered_optimizer is None and layer.accum_steps == 3
+    assert layer.registered_optimizer() is None and layer.accum_steps == 3
     _check(layer, x, [(0, 3 * B), (3 * B, 6 * B)])
     assert layer.get_config()["accum_steps"] == 3
 
@@ -105,3 +105,20 @@ def test_accum_steps_set_on_a_registered_layer_warns_and_is_ignored():
     assert layer.accum_steps == 2 and layer.get_config()["accum_steps"] == 2
     with pytest.raises(ValueError, match="accum_steps"):
         layer.accum_steps = 0
+
+
+def test_saved_model_is_registered_again_when_loaded(tmp_path):
+    """A .keras file of a registered model mid-cycle: the optimizer's state is saved once, where
+    Keras puts it, and the loaded layer follows the loaded optimizer from where both were."""
+    x, y = _data(3 * B)
+    model, layer = _model(2, 2, False, leftover="carry")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    bn = loaded.layers[1]
+    assert bn.registered_optimizer() is loaded.optimizer and bn.accum_steps == 2
+    assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == 1
+    assert loaded.optimizer.pending() == 1
+    assert int(keras.ops.convert_to_numpy(bn.accum_step)) == 1
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))

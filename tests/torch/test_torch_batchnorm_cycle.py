@@ -89,7 +89,7 @@ def test_accum_steps_changed_between_cycles_keeps_batchnorm_in_phase(
     assert opt.accumulation_state.updates == len(cycles)
     _check_stats(bn, cycles, rel_err)
     assert bn.accum_steps == opt.accum_steps == schedule[-1][0]
-    assert bn.registered_optimizer is opt
+    assert bn.registered_optimizer() is opt
 
 
 def test_flush_applies_the_partial_cycle_of_registered_layers(rel_err):
@@ -126,7 +126,7 @@ def test_convert_with_optimizer_keeps_the_parameters_the_optimizer_holds():
     plain = _model()
     old = plain[0]
     conv = convert_batchnorm(plain, 2)
-    assert conv[0].weight is not old.weight and conv[0].registered_optimizer is None
+    assert conv[0].weight is not old.weight and conv[0].registered_optimizer() is None
 
 
 def test_standalone_layer_keeps_its_own_cycle():
@@ -134,7 +134,7 @@ def test_standalone_layer_keeps_its_own_cycle():
     model = convert_batchnorm(_model(), accum_steps=2)
     opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), 3)
     _train(model, opt, [(3, 2)])  # 6 micro-batches
-    assert model[0].registered_optimizer is None
+    assert model[0].registered_optimizer() is None
     assert int(model[0].num_batches_tracked) == 3
     assert opt.accumulation_state.updates == 2
 
@@ -145,11 +145,11 @@ def test_copies_are_standalone_and_keep_the_cycle_length(rel_err):
     model = convert_batchnorm(model, opt)
     opt.accum_steps = 3
     twin = copy.deepcopy(model)
-    assert twin[0].registered_optimizer is None and twin[0].accum_steps == 3
+    assert twin[0].registered_optimizer() is None and twin[0].accum_steps == 3
     for j in range(3):
         twin(_micro_batch(j))
     assert int(twin[0].num_batches_tracked) == 1
-    assert model[0].registered_optimizer is opt
+    assert model[0].registered_optimizer() is opt
 
 
 def test_accum_steps_set_on_a_registered_layer_warns_and_is_ignored():
@@ -171,7 +171,7 @@ def test_a_layer_whose_optimizer_is_gone_counts_its_own_cycle():
     import gc
 
     gc.collect()
-    assert model[0].registered_optimizer is None and model[0].accum_steps == 2
+    assert model[0].registered_optimizer() is None and model[0].accum_steps == 2
     for j in range(4):
         model(_micro_batch(j))
     assert int(model[0].num_batches_tracked) == 2
