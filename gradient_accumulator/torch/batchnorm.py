@@ -705,10 +705,10 @@ def convert_batchnorm(
         The converted module (``module`` itself, changed in place, unless it is a BatchNorm).
 
     Raises:
-        ValueError: ``module`` holds an uninitialised lazy batch norm, or both or neither of
-            ``optimizer`` and ``accum_steps`` are given (nothing is converted).
+        ValueError: ``module`` holds an uninitialised lazy batch norm, or both ``optimizer``
+            and ``accum_steps`` are given (nothing is converted).
         TypeError: ``module`` is not a module, ``optimizer`` is a torch optimizer that is not
-            a GradientAccumulateOptimizer, ``accum_steps`` is not an int.
+            a GradientAccumulateOptimizer, ``accum_steps`` is not an int, or neither is given.
 
     Example:
         >>> import torch
@@ -749,7 +749,7 @@ def convert_batchnorm(
             )
         steps = optimizer.accum_steps
     elif accum_steps is None:
-        raise ValueError(
+        raise TypeError(
             "convert_batchnorm needs the optimizer to register the layers with "
             "(convert_batchnorm(model, optimizer)) or accum_steps"
         )
