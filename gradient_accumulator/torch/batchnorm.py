@@ -160,7 +160,7 @@ def layers_to_flush(
         for m in live_layers()
         if id(m) not in known and isinstance(m.weight, torch.Tensor) and id(m.weight) in index
     )
-    if held:
+    if any(int(m.accum_step) > 0 for _, m in held):  # the fallback made a difference
         warnings.warn(
             "GradientAccumulateOptimizer.flush() found AccumBatchNorm layers by their weights, "
             "a deprecated fallback: register them with the optimizer (model= or "

@@ -204,3 +204,15 @@ def test_flush_by_weight_alone_is_deprecated():
     with pytest.warns(DeprecationWarning, match="convert_batchnorm\\(model, optimizer\\)"):
         opt.flush()
     assert int(model[1].num_batches_tracked) == 1
+
+
+def test_flush_by_weight_alone_warns_only_when_it_flushes_something():
+    model = nn.Sequential(nn.Linear(4, C), AccumBatchNorm1d(C, accum_steps=2))
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    for _ in range(2):  # a full cycle: nothing pending for the fallback to flush
+        model(torch.randn(6, 4)).square().sum().backward()
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.flush()
+    assert int(model[1].num_batches_tracked) == 1
