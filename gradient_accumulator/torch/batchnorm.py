@@ -76,8 +76,11 @@ class Registered:
         if all(r() is not layer for r in self._refs):
             self._refs.append(weakref.ref(layer))
 
+    def discard(self, layer: nn.Module) -> None:
+        self._refs = [r for r in self._refs if r() is not layer]
+
     def layers(self) -> list[nn.Module]:
-        """The registered layers still alive and still registered with this optimizer."""
+        """The registered layers still alive."""
         alive = [r() for r in self._refs]
         self._refs = [r for r, m in zip(self._refs, alive) if m is not None]
         return [m for m in alive if m is not None]
@@ -100,6 +103,9 @@ def register(module: nn.Module, optimizer: Any) -> int:
     n = 0
     for m in module.modules():
         if isinstance(m, _AccumBatchNormMixin):
+            previous = _owner(m)
+            if previous is not None and previous is not optimizer:
+                previous._loop.batchnorms.discard(m)
             m._ga_owner = ref
             registered.add(m)
             n += 1
@@ -144,7 +150,7 @@ def layers_to_flush(
 ) -> list[nn.Module]:
     """The AccumBatchNorm layers an optimizer flushes with its own partial cycle, in an order
     every rank shares: those of ``model``, then those registered with it (``registered``),
-    then — deprecated, with a warning — the other live layers whose affine weight the
+    then — deprecated, with a warning — the unregistered live layers whose affine weight the
     optimizer holds (``index``: parameter id → position), by that position."""
     layers: list[nn.Module] = []
     if model is not None:
@@ -158,7 +164,10 @@ def layers_to_flush(
     held = sorted(
         (index[id(m.weight)], m)
         for m in live_layers()
-        if id(m) not in known and isinstance(m.weight, torch.Tensor) and id(m.weight) in index
+        if id(m) not in known
+        and _owner(m) is None  # a registered layer is its optimizer's to flush
+        and isinstance(m.weight, torch.Tensor)
+        and id(m.weight) in index
     )
     if any(int(m.accum_step) > 0 for _, m in held):  # the fallback made a difference
         warnings.warn(

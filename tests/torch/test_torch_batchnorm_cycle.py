@@ -216,3 +216,22 @@ def test_flush_by_weight_alone_warns_only_when_it_flushes_something():
         warnings.simplefilter("error")
         opt.flush()
     assert int(model[1].num_batches_tracked) == 1
+
+
+def test_a_layer_registered_again_moves_to_the_new_optimizer():
+    """Registered with one optimizer at a time: the last one's cycle counts, and only it
+    flushes the layer."""
+    model = _model()
+    first = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), 2)
+    model = convert_batchnorm(model, first)
+    second = GradientAccumulateOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), 3, model=model
+    )
+    bn = model[0]
+    assert bn.registered_optimizer() is second and bn.accum_steps == 3
+    model(_micro_batch(0)).square().mean().backward()
+    second.step()
+    first.flush()  # nothing of the layer's: it is second's now
+    assert int(bn.accum_step) == 1 and int(bn.num_batches_tracked) == 0
+    second.flush()
+    assert int(bn.accum_step) == 0 and int(bn.num_batches_tracked) == 1
