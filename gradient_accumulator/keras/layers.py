@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import keras
@@ -33,8 +35,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     ``BatchNormalization`` with the same config and weights, for export or inference
     (:func:`~gradient_accumulator.keras.restore_batchnorm_layers` does it for a whole model).
 
+    Inside a :class:`GradientAccumulateModel` the layer is registered with the model's
+    optimizer when the model is compiled: it then takes the cycle's length from the
+    optimizer (``optimizer.accum_steps``, read when the training step is traced) and the
+    optimizer's cycle resets (``reinit_grad_accum()``) and flushes reach it, so a changed
+    ``accum_steps`` moves both together. Elsewhere it counts its own ``accum_steps``.
+
     Args:
-        accum_steps: micro-batches per moving-statistics update (the model's ``accum_steps``).
+        accum_steps: micro-batches per moving-statistics update (the model's ``accum_steps``)
+            when the layer is not registered with an optimizer.
         momentum: momentum of the moving average (Keras convention).
         epsilon: added to the variance.
         trainable: whether gamma and beta train and statistics update.
@@ -55,6 +64,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         >>> keras.ops.convert_to_numpy(bn.moving_mean).tolist()
         [3.0, 4.0]
     """
+
+    _accumulator: Any = None  # weak reference to the registered optimizer
 
     def __init__(
         self,
@@ -88,7 +99,35 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             trainable=trainable,
             **kwargs,
         )
-        self.accum_steps = accum_steps
+        self._own_accum_steps = accum_steps
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per moving-statistics update: the registered optimizer's
+        ``accum_steps``, else the layer's own."""
+        owner = self.registered_optimizer()
+        return self._own_accum_steps if owner is None else owner.accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        value = _validation.check_accum_steps(value)
+        if self.registered_optimizer() is not None:
+            warnings.warn(
+                "accum_steps set on an AccumBatchNormalization registered with an optimizer is "
+                "ignored while it is registered: the layer follows the optimizer's accum_steps "
+                "(set that one)",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._own_accum_steps = value
+
+    def registered_optimizer(self) -> Any:
+        """The ``GradientAccumulateOptimizer`` whose cycle this layer follows, or None.
+
+        A method, not a property: Keras's saving walks every attribute of a layer, and would
+        reach the optimizer's state through the layer before the model's ``optimizer``."""
+        ref = self._accumulator
+        return None if ref is None else ref()
 
     def build(self, input_shape: Any) -> None:
         """Create BatchNormalization's weights, then the accumulated moments."""
@@ -355,3 +394,36 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             config.pop(key, None)
         config["accum_steps"] = self.accum_steps
         return config
+
+
+def register_batchnorm(model: Any, optimizer: Any) -> int:
+    """Register every :class:`AccumBatchNormalization` of ``model`` with ``optimizer`` (a
+    ``GradientAccumulateOptimizer``): the layers take the cycle's length from it. A layer
+    registered with another optimizer before moves to this one.
+
+    Returns:
+        The number of layers registered.
+    """
+    ref = weakref.ref(optimizer)
+    n = 0
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, AccumBatchNormalization):
+            layer._accumulator = ref
+            n += 1
+    return n
+
+
+def reset_batchnorm(model: Any) -> int:
+    """Discard the pending micro-batches of every :class:`AccumBatchNormalization` of
+    ``model`` (with the optimizer's ``reset_cycle``: the next micro-batch starts a cycle for
+    both).
+
+    Returns:
+        The number of built layers reset.
+    """
+    n = 0
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, AccumBatchNormalization) and layer.built:
+            layer._reset_accum()
+            n += 1
+    return n

@@ -15,6 +15,7 @@ from gradient_accumulator.keras.callbacks import (
     find_accumulator,
     flush_batchnorm,
 )
+from gradient_accumulator.keras.layers import register_batchnorm, reset_batchnorm
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.nonfinite import check_on_nonfinite
 
@@ -203,6 +204,7 @@ class GradientAccumulateModel(keras.Model):
                 on_nonfinite=self.on_nonfinite,
             )
         kwargs["auto_scale_loss"] = False
+        register_batchnorm(self, wrapped)  # AccumBatchNormalization follows its cycle
         super().compile(wrapped, *args, **kwargs)
 
     def get_compile_config(self) -> dict[str, Any]:
@@ -278,6 +280,7 @@ class GradientAccumulateModel(keras.Model):
         opt = find_accumulator(self.optimizer)
         if opt is not None:
             opt.reset_cycle()
+            reset_batchnorm(self)  # in phase with the optimizer's fresh cycle
 
     def get_config(self) -> dict[str, Any]:
         """The functional config plus the accumulation settings (``accum_steps`` included)."""

@@ -20,7 +20,7 @@ from gradient_accumulator.torch._guards import held_interrupts
 from gradient_accumulator.torch._options import Options
 from gradient_accumulator.torch._update import InnerUpdate, LossScale
 from gradient_accumulator.torch._views import GradViews
-from gradient_accumulator.torch.batchnorm import layers_to_flush
+from gradient_accumulator.torch.batchnorm import Registered, layers_to_flush
 from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
 
 _UNCHANGED: Any = object()  # a setting of Loop.configure that is not given
@@ -121,6 +121,7 @@ class Loop:
         self.flushing = False  # the reduction in progress is a flush's (checked across ranks)
         self.update_applied = False
         self.last_grad_norm: Any = None
+        self.batchnorms = Registered()  # AccumBatchNorm layers that follow this cycle
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (pickle, deepcopy) holds new parameter objects: the id-keyed index is rebuilt.
@@ -274,7 +275,7 @@ class Loop:
                     self.flushing = False
                     if self.views is not None:
                         self.views.after_step(self.cycle.micro_step)
-            for layer in layers_to_flush(self.model, self.index):
+            for layer in layers_to_flush(self.model, self.index, self.batchnorms):
                 layer.flush()
         return applied
 

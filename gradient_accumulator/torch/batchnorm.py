@@ -8,7 +8,11 @@ core: on the device where the core has kernels, on the CPU and CUDA; through sma
 elsewhere); the ``accum_steps``-th forward updates ``running_mean``, ``running_var`` and
 ``num_batches_tracked`` once, exactly as one ``nn.BatchNorm*d`` forward over the concatenated
 big batch would (unbiased running variance, PyTorch's momentum convention, ``momentum=None`` as
-a cumulative average). Under torch.distributed the cycle's moments of all ranks are merged at
+a cumulative average). A layer registered with a ``GradientAccumulateOptimizer`` (through the
+optimizer's ``model=`` or ``convert_batchnorm(model, optimizer)``) takes the cycle's length and
+phase from that optimizer instead: its running statistics update in the forward of the
+micro-batch whose ``step()`` ends the optimizer's cycle, so a changed ``accum_steps`` moves both
+together. Under torch.distributed the cycle's moments of all ranks are merged at
 the boundary with one small all_gather (``process_group``, default: the default group), so the
 statistics are those of the global big batch.
 
@@ -48,14 +52,72 @@ __all__ = [
 _ACCUM_BUFFERS = ("accum_count", "accum_mean", "accum_m2", "accum_step")
 _MOMENTS = ("accum_count", "accum_mean", "accum_m2")  # always float64
 
-# Every live AccumBatchNorm layer, so that GradientAccumulateOptimizer.flush() can find the
-# layers whose parameters it holds without being given the model.
+# Every live AccumBatchNorm layer. Only for a deprecated fallback: an optimizer built without
+# ``model=`` still flushes the unregistered layers whose affine weight it holds.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def live_layers() -> list[nn.Module]:
     """The AccumBatchNorm layers that currently exist (in no particular order)."""
     return list(_LIVE)
+
+
+class Registered:
+    """The AccumBatchNorm layers registered with one optimizer, in registration order.
+
+    Weak references: a layer dropped from its model is not kept alive by the optimizer. A copy
+    of the optimizer (pickle, deepcopy) starts with none: its layers are copies too, and are
+    registered again through ``convert_batchnorm(model, optimizer)``.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref] = []
+
+    def add(self, layer: nn.Module) -> None:
+        if all(r() is not layer for r in self._refs):
+            self._refs.append(weakref.ref(layer))
+
+    def discard(self, layer: nn.Module) -> None:
+        self._refs = [r for r in self._refs if r() is not layer]
+
+    def layers(self) -> list[nn.Module]:
+        """The registered layers still alive."""
+        alive = [r() for r in self._refs]
+        self._refs = [r for r, m in zip(self._refs, alive) if m is not None]
+        return [m for m in alive if m is not None]
+
+    def __reduce__(self) -> tuple:
+        return (Registered, ())
+
+
+def register(module: nn.Module, optimizer: Any) -> int:
+    """Register every AccumBatchNorm layer of ``module`` with ``optimizer`` (a
+    ``GradientAccumulateOptimizer``): from then on the layers take the cycle's length and phase
+    from it, and its ``flush()`` flushes them. A layer registered with another optimizer
+    before moves to this one.
+
+    Returns:
+        The number of layers registered.
+    """
+    registered = optimizer._loop.batchnorms
+    ref = weakref.ref(optimizer)
+    n = 0
+    for m in module.modules():
+        if isinstance(m, _AccumBatchNormMixin):
+            previous = _owner(m)
+            if previous is not None and previous is not optimizer:
+                previous._loop.batchnorms.discard(m)
+            m._ga_owner = ref
+            registered.add(m)
+            n += 1
+    return n
+
+
+def _owner(m: Any) -> Any:
+    """The optimizer ``m`` (a layer, or the custom op's view of one) is registered with, or
+    None (standalone, or the optimizer is gone)."""
+    ref = m._ga_owner
+    return None if ref is None else ref()
 
 
 def core_runs_on(device: torch.device, *, moments: bool = False) -> bool:
@@ -84,19 +146,38 @@ def _torch_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, m2
 
 
-def layers_to_flush(model: nn.Module | None, index: dict[int, int]) -> list[nn.Module]:
+def layers_to_flush(
+    model: nn.Module | None, index: dict[int, int], registered: Registered | None = None
+) -> list[nn.Module]:
     """The AccumBatchNorm layers an optimizer flushes with its own partial cycle, in an order
-    every rank shares: those of ``model``, then the live layers whose affine weight the
+    every rank shares: those of ``model``, then those registered with it (``registered``),
+    then — deprecated, with a warning — the unregistered live layers whose affine weight the
     optimizer holds (``index``: parameter id → position), by that position."""
     layers: list[nn.Module] = []
     if model is not None:
         layers = [m for m in model.modules() if isinstance(m, _AccumBatchNormMixin)]
     known = {id(m) for m in layers}
+    if registered is not None:
+        for m in registered.layers():
+            if id(m) not in known:
+                layers.append(m)
+                known.add(id(m))
     held = sorted(
         (index[id(m.weight)], m)
         for m in live_layers()
-        if id(m) not in known and isinstance(m.weight, torch.Tensor) and id(m.weight) in index
+        if id(m) not in known
+        and _owner(m) is None  # a registered layer is its optimizer's to flush
+        and isinstance(m.weight, torch.Tensor)
+        and id(m.weight) in index
     )
+    if any(int(m.accum_step) > 0 for _, m in held):  # the fallback made a difference
+        warnings.warn(
+            "GradientAccumulateOptimizer.flush() found AccumBatchNorm layers by their weights, "
+            "a deprecated fallback: register them with the optimizer (model= or "
+            "convert_batchnorm(model, optimizer)) so that they also follow its cycle",
+            DeprecationWarning,
+            stacklevel=4,
+        )
     return layers + [m for _, m in held]
 
 
@@ -140,7 +221,13 @@ def _fold(m: Any, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
         acc_m2.copy_(h_m2)
     acc_count.fill_(total)
     acc_step.add_(1)
-    if int(acc_step) >= m.accum_steps:
+    owner = _owner(m)
+    if owner is not None:
+        # Registered: the cycle is the optimizer's; this forward's micro-batch ends it when
+        # the coming step() does.
+        if owner.is_boundary_next():
+            _update_running(m)
+    elif int(acc_step) >= m._accum_steps:
         _update_running(m)
 
 
@@ -231,6 +318,7 @@ class _Held:
         self.__dict__.update(tensors)
         layer = _BY_KEY.get(key)
         self.process_group = None if layer is None else layer.process_group
+        self._ga_owner = None if layer is None else layer._ga_owner
         self._layer = layer
 
     def _multi_rank(self) -> bool:
@@ -276,7 +364,7 @@ def _bn_fold_kernel(
         running_mean=running_mean,
         running_var=running_var,
         num_batches_tracked=num_batches_tracked,
-        accum_steps=accum_steps,
+        _accum_steps=accum_steps,
         momentum=momentum,
     )
     _fold(held, mean, m2, count)
@@ -294,7 +382,8 @@ class _AccumBatchNormMixin:
     """Shared implementation of AccumBatchNorm1d/2d/3d (mixed into nn.BatchNorm*d)."""
 
     def _init_accum(self, accum_steps: Any, process_group: Any = None) -> None:
-        self.accum_steps = _validation.check_accum_steps(accum_steps)
+        self._accum_steps = _validation.check_accum_steps(accum_steps)
+        self._ga_owner: weakref.ref | None = None
         self.process_group = process_group
         c = self.num_features
         device = self.running_mean.device if self.running_mean is not None else None
@@ -310,8 +399,44 @@ class _AccumBatchNormMixin:
         _NEXT_KEY[0] += 1
         _BY_KEY[self._ga_key] = self
 
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per running-statistics update: the registered optimizer's
+        ``accum_steps`` (read at every forward), else the layer's own."""
+        owner = _owner(self)
+        return self._accum_steps if owner is None else owner.accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        value = _validation.check_accum_steps(value)
+        if _owner(self) is not None:
+            warnings.warn(
+                "accum_steps set on an AccumBatchNorm layer registered with an optimizer is "
+                "ignored while it is registered: the layer follows the optimizer's accum_steps "
+                "(set that one)",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._accum_steps = value
+
+    def registered_optimizer(self) -> Any:
+        """The ``GradientAccumulateOptimizer`` whose cycle this layer follows, or None."""
+        return _owner(self)
+
+    def __getstate__(self) -> dict:
+        # A copy is a layer of its own, registered with no optimizer (the optimizer does not
+        # hold its parameters): it keeps the cycle length it had.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state["_accum_steps"] = self.accum_steps
+        state["_ga_owner"] = None
+        return state
+
     def __setstate__(self, state: dict) -> None:
         # A deep copy or an unpickled layer is a layer of its own: its own key, and live.
+        state.setdefault("_ga_owner", None)
+        if "_accum_steps" not in state and "accum_steps" in state:  # pickled by an older version
+            state["_accum_steps"] = state.pop("accum_steps")
         super().__setstate__(state)
         self._register()
 
@@ -397,7 +522,7 @@ class _AccumBatchNormMixin:
                 self.running_mean,
                 self.running_var,
                 self.num_batches_tracked,
-                self.accum_steps,
+                self._accum_steps,  # the kernel reads a registered optimizer's at run time
                 self.momentum,
                 self._ga_key,
             )
@@ -555,34 +680,91 @@ def _batchnorm_like(m: nn.Module) -> bool:
     )
 
 
-def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
+def convert_batchnorm(
+    module: nn.Module, optimizer: Any = None, *, accum_steps: int | None = None
+) -> nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by its
     accumulating counterpart (``AccumBatchNorm1d/2d/3d``, ``AccumSyncBatchNorm``).
 
-    Affine parameters, running statistics and ``num_batches_tracked`` are copied (no tensor
-    is shared with the old layer); ``requires_grad``, the training mode and a
-    ``SyncBatchNorm``'s ``process_group`` are kept. A ``LazyBatchNorm*d`` is converted once a
+    Given the ``GradientAccumulateOptimizer`` that trains ``module``, the new layers (and any
+    AccumBatchNorm already in ``module``) are registered with it: they take the cycle's length
+    and phase from it — a changed ``opt.accum_steps`` moves them too — and its ``flush()``
+    flushes them. The new layers then keep the old layers' affine parameters (the same
+    ``nn.Parameter`` objects, which the optimizer holds), so the optimizer may be built before
+    the conversion. Given ``accum_steps`` instead (the form of earlier versions; anything but
+    an optimizer in its place is taken as ``accum_steps``), the layers count their own cycle of
+    that length until an optimizer built with ``model=`` registers them, and the affine
+    parameters are copies.
+
+    Running statistics and ``num_batches_tracked`` are copied (no buffer is shared with the
+    old layer); ``requires_grad``, the training mode and a ``SyncBatchNorm``'s
+    ``process_group`` are kept. A ``LazyBatchNorm*d`` is converted once a
     forward has materialised it (it is then a ``BatchNorm*d``); before that it is refused. Any
     other batch-norm-like layer (a subclass of ``BatchNorm*d`` with a forward of its own, a
     third-party batch norm) is left alone with a warning: its running statistics keep updating
     on every micro-batch. A later ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` keeps the
     converted layers (see ``AccumSyncBatchNorm``).
 
+    Args:
+        module: the model (or a single batch norm).
+        optimizer: the ``GradientAccumulateOptimizer`` to register the layers with.
+        accum_steps: the layers' own cycle length, for layers used without a registered
+            optimizer (not together with ``optimizer``).
+
     Returns:
         The converted module (``module`` itself, changed in place, unless it is a BatchNorm).
 
     Raises:
-        ValueError: ``module`` holds an uninitialised lazy batch norm (nothing is converted).
+        ValueError: ``module`` holds an uninitialised lazy batch norm, or both ``optimizer``
+            and ``accum_steps`` are given (nothing is converted).
+        TypeError: ``module`` is not a module, ``optimizer`` is a torch optimizer that is not
+            a GradientAccumulateOptimizer, ``accum_steps`` is not an int, or neither is given.
 
     Example:
+        >>> import torch
         >>> from torch import nn
-        >>> m = convert_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), 4)
-        >>> type(m[1]).__name__, m[1].accum_steps
+        >>> from gradient_accumulator.torch import GradientAccumulateOptimizer
+        >>> model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+        >>> opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 4)
+        >>> model = convert_batchnorm(model, opt)
+        >>> type(model[1]).__name__, model[1].accum_steps
         ('AccumBatchNorm2d', 4)
+        >>> opt.accum_steps = 8  # between cycles: the layer follows
+        >>> model[1].accum_steps
+        8
+        >>> type(convert_batchnorm(nn.BatchNorm1d(3), accum_steps=2)).__name__
+        'AccumBatchNorm1d'
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    accum_steps = _validation.check_accum_steps(accum_steps)
+    from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
+
+    if optimizer is not None and not isinstance(
+        optimizer, (GradientAccumulateOptimizer, torch.optim.Optimizer)
+    ):
+        # convert_batchnorm(model, k), the form of earlier versions: k is accum_steps.
+        if accum_steps is not None:
+            raise ValueError("convert_batchnorm takes optimizer or accum_steps, not both")
+        optimizer, accum_steps = None, optimizer
+    if optimizer is not None:
+        if accum_steps is not None:
+            raise ValueError(
+                "convert_batchnorm takes optimizer or accum_steps, not both (registered "
+                "layers take accum_steps from the optimizer)"
+            )
+        if not isinstance(optimizer, GradientAccumulateOptimizer):
+            raise TypeError(
+                "optimizer must be a GradientAccumulateOptimizer (the one that trains the "
+                f"module), got {type(optimizer).__name__}; wrap it first"
+            )
+        steps = optimizer.accum_steps
+    elif accum_steps is None:
+        raise TypeError(
+            "convert_batchnorm needs the optimizer to register the layers with "
+            "(convert_batchnorm(model, optimizer)) or accum_steps"
+        )
+    else:
+        steps = _validation.check_accum_steps(accum_steps)
     for name, m in module.named_modules():
         if _uninitialized_lazy(m) and _batchnorm_like(m):
             raise ValueError(
@@ -590,10 +772,13 @@ def convert_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
                 "one forward (e.g. on a sample batch, in eval mode) to materialise it, then "
                 "call convert_batchnorm"
             )
-    return _convert(module, accum_steps, "")
+    module = _convert(module, steps, "", keep_params=optimizer is not None)
+    if optimizer is not None:
+        register(module, optimizer)
+    return module
 
 
-def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
+def _convert(module: nn.Module, accum_steps: int, path: str, keep_params: bool) -> nn.Module:
     target = _TARGETS.get(type(module))
     if target is not None:
         extra = {"process_group": module.process_group} if target is AccumSyncBatchNorm else {}
@@ -606,8 +791,13 @@ def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
             accum_steps=accum_steps,
             **extra,
         ).to(device=next(iter(module.state_dict().values()), torch.empty(0)).device)
+        if module.affine:
+            new = new.to(dtype=module.weight.dtype)
         with torch.no_grad():
-            if module.affine:
+            if module.affine and keep_params:
+                # The optimizer holds these very objects.
+                new.weight, new.bias = module.weight, module.bias
+            elif module.affine:
                 new.weight.copy_(module.weight)
                 new.bias.copy_(module.bias)
                 new.weight.requires_grad_(module.weight.requires_grad)
@@ -616,8 +806,6 @@ def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
                 new.running_mean.copy_(module.running_mean)
                 new.running_var.copy_(module.running_var)
                 new.num_batches_tracked.copy_(module.num_batches_tracked)
-        if module.affine:
-            new = new.to(dtype=module.weight.dtype)
         new.train(module.training)
         return new
     if _batchnorm_like(module):
@@ -630,7 +818,8 @@ def _convert(module: nn.Module, accum_steps: int, path: str) -> nn.Module:
         )
         return module
     for name, child in module.named_children():
-        setattr(module, name, _convert(child, accum_steps, f"{path}.{name}" if path else name))
+        child_path = f"{path}.{name}" if path else name
+        setattr(module, name, _convert(child, accum_steps, child_path, keep_params))
     return module
 
 

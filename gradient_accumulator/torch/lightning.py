@@ -97,8 +97,8 @@ def accumulation_step(
     total = trainer.num_training_batches
     if isinstance(total, int) and batch_idx + 1 >= total:
         # The epoch's last micro-batch: a short cycle is applied now, with its true weight.
+        flush_batchnorm(module)  # the module's batch norms, registered with opt or not
         applied = opt.flush() or applied
-        flush_batchnorm(module)
     if applied:
         for config in configs:
             config.scheduler.step()

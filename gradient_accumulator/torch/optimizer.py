@@ -30,6 +30,7 @@ from gradient_accumulator.torch._proxy import (
     install_lightning_forwarding,
     is_lightning_proxy,
 )
+from gradient_accumulator.torch.batchnorm import register as register_batchnorm
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
 
@@ -110,8 +111,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             anything is written, ``"apply"`` applies it. With ``grad_scaler`` such a cycle is
             skipped silently and the scale lowered, whatever this says.
         model: the module the parameters come from (optional). Errors then name parameters
-            by their names in it, and :meth:`flush` also flushes its ``AccumBatchNorm*d``
-            layers (without it, those whose affine weight this optimizer holds).
+            by their names in it, and its ``AccumBatchNorm*d`` layers are registered with
+            this optimizer: they take the cycle's length and phase from it (their running
+            statistics update in the forward whose ``step()`` ends the cycle, whatever
+            ``accum_steps`` is set to between cycles) and :meth:`flush` flushes them.
         gradient_as_view: make each fp32 parameter's ``.grad`` a view of its accumulator, so
             autograd adds every micro-batch's gradient into it in place and ``step()`` makes no
             pass over the gradients (as DDP's ``gradient_as_bucket_view``). A micro-batch's
@@ -194,6 +197,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         for name in HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._loop = Loop(optimizer, model, options, grad_scaler, process_group, agc_exclude)
+        if model is not None:  # its AccumBatchNorm layers follow this optimizer's cycle
+            register_batchnorm(model, self)
 
     # ---- settings (may be changed between cycles) ----
 
@@ -419,12 +424,13 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     def flush(self) -> bool:
         """End of data: apply a partial cycle with its true weight (``leftover="apply"``).
 
-        The ``AccumBatchNorm*d`` layers this optimizer knows (those of ``model``, or those
-        whose affine weight it holds) fold their partial cycle into the running statistics at
-        the same time, so they stay in phase with the updates. With ``leftover="carry"`` the
-        partial cycle — of the optimizer and of those layers — is kept and continues with the
-        next data. Under torch.distributed every rank must call ``flush()`` (a rank with an
-        empty partial cycle still takes part in the reduction).
+        The ``AccumBatchNorm*d`` layers this optimizer knows (those of ``model`` and those
+        registered through ``convert_batchnorm(model, optimizer)``) fold their partial cycle
+        into the running statistics at the same time, so they stay in phase with the updates.
+        With ``leftover="carry"`` the partial cycle — of the optimizer and of those layers —
+        is kept and continues with the next data. Under torch.distributed every rank must
+        call ``flush()`` (a rank with an empty partial cycle still takes part in the
+        reduction).
 
         Returns:
             True if an update was applied.

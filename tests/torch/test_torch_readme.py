@@ -37,6 +37,8 @@ def test_readme_loop_steps_the_scheduler_once_per_update(micro_batches):
     steps = {int(s["step"]) for s in opt.optimizer.state.values()}
     assert steps == {updates}  # AdamW's own count of the updates applied
     assert sched.last_epoch == updates
+    bn = scope["model"][1]  # registered with opt: one merge per update, the flush's included
+    assert bn.registered_optimizer() is opt and int(bn.num_batches_tracked) == updates
     lr = 1e-3 * (1 + math.cos(math.pi * updates / 1000)) / 2  # CosineAnnealingLR, T_max=1000
     assert opt.param_groups[0]["lr"] == pytest.approx(lr, rel=1e-9)
 
