@@ -23,9 +23,10 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
+from gradient_accumulator._options import Options, check_agc_exclude, keras_reduction
 from gradient_accumulator.keras._compat import after, to_numpy, warn_deprecated
 from gradient_accumulator.keras.agc import clip_one
-from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
+from gradient_accumulator.nonfinite import NonFiniteCounter
 
 __all__ = ["GradientAccumulateOptimizer"]
 
@@ -66,7 +67,19 @@ _SCALARS = (
     "skipped",
 )
 _INT_SCALARS = ("micro_step", "growth", "skipped")
-_REDUCTIONS = ("MEAN", "SUM", "RUNNING_MEAN")
+# Settings held by the options record (properties, checked on assignment).
+_SETTINGS = (
+    "accum_steps",
+    "reduction",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "leftover",
+    "on_nonfinite",
+    "mixed_precision",
+    "initial_scale",
+    "dynamic_growth_steps",
+)
 
 
 def _resolve_inner(optimizer: Any) -> Any:
@@ -225,13 +238,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
-        accum_steps = _validation.check_accum_steps(accum_steps)
-        on_nonfinite = check_on_nonfinite(on_nonfinite)
-        reduction = _validation.check_choice(reduction, "reduction", _REDUCTIONS)
-        mixed_precision = _validation.check_bool(mixed_precision, "mixed_precision")
-        use_agc = _validation.check_bool(use_agc, "use_agc")
-        clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
-        leftover = _validation.check_choice(leftover, "leftover", ("apply", "carry"))
         # 0.5 accepted these (Keras 2's OptimizerV2 arguments) and ignored them.
         for key, instead in _IGNORED_FROM_0_5.items():
             if key in kwargs:
@@ -259,36 +265,33 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 "the inner optimizer has gradient_accumulation_steps set; accumulate with the "
                 "wrapper's accum_steps only"
             )
-        initial_scale = _validation.check_positive(initial_scale, "initial_scale")
-        dynamic_growth_steps = _validation.check_int(dynamic_growth_steps, "dynamic_growth_steps")
+        options = Options(
+            accum_steps=accum_steps,
+            reduction=reduction,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            leftover=leftover,
+            on_nonfinite=on_nonfinite,
+            mixed_precision=mixed_precision,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+        )
         if use_core is not None:
             use_core = _validation.check_bool(use_core, "use_core")
             if use_core and _BACKEND != "torch":
                 raise ValueError(
                     f"use_core=True needs the torch backend; this Keras runs on {_BACKEND}"
                 )
-        if agc_exclude is not None and not isinstance(agc_exclude, (str, Iterable)):
-            raise TypeError(
-                "agc_exclude must be 'final', None, or an iterable of variables, layers or "
-                f"patterns, got {type(agc_exclude).__name__}"
-            )
-        if isinstance(agc_exclude, str) and agc_exclude != "final":
-            agc_exclude = (agc_exclude,)
+        agc_exclude = check_agc_exclude(agc_exclude)
 
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self.optimizer = inner
-        self.accum_steps = accum_steps
-        self.reduction = reduction
-        self.mixed_precision = mixed_precision
-        self.use_agc = use_agc
-        self.clip_factor = clip_factor
-        self.eps = eps
+        self._options = options
+        # The settings a compiled step was traced with (see _retrace_if_changed).
+        self._traced_options: Options | None = None
         self.agc_exclude = agc_exclude
-        self.leftover = leftover
-        self.initial_scale = initial_scale
-        self.dynamic_growth_steps = dynamic_growth_steps
         self.use_core = use_core
-        self.on_nonfinite = on_nonfinite
         self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
         self._reported_skips = 0
         # The inner optimizer's static loss-scale factor is taken over: scale_loss() is ours.
@@ -296,6 +299,118 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         inner.loss_scale_factor = None
         self._core_engine = None  # the PyTorch backend's eager path, built at first use
         self._build_strategy = None  # the tf.distribute strategy of build(), if any
+
+    # ------------------------------------------------------------------------------- settings
+
+    def _set(self, **changes: Any) -> None:
+        """Replace settings through the options record: checked together, all or nothing."""
+        self._options = self._options.replace(**changes)
+
+    def _retrace_if_changed(self, model: Any) -> bool:
+        """Drop ``model``'s compiled train step if a setting it holds as a constant changed
+        since it was traced (``fit`` calls this before it makes its step). Returns whether it
+        did."""
+        if self._traced_options is None or self._traced_options == self._options:
+            return False
+        self._traced_options = None
+        if getattr(model, "train_function", None) is not None:
+            model.train_function = None
+        return True
+
+    def _note_trace(self, value: Any) -> None:
+        """Remember the settings a traced step bakes in (``value``: a tensor of the call)."""
+        if _traced(value):
+            self._traced_options = self._options
+
+    @property
+    def accum_steps(self) -> Any:
+        """Micro-batches per update (may change between cycles)."""
+        return self._options.accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: Any) -> None:
+        self._set(accum_steps=value)
+
+    @property
+    def use_agc(self) -> Any:
+        """Adaptive gradient clipping of the accumulated gradient at the boundary."""
+        return self._options.use_agc
+
+    @use_agc.setter
+    def use_agc(self, value: Any) -> None:
+        self._set(use_agc=value)
+
+    @property
+    def clip_factor(self) -> Any:
+        """AGC's λ."""
+        return self._options.clip_factor
+
+    @clip_factor.setter
+    def clip_factor(self, value: Any) -> None:
+        self._set(clip_factor=value)
+
+    @property
+    def eps(self) -> Any:
+        """AGC's ε, the floor of a unit's weight norm."""
+        return self._options.eps
+
+    @eps.setter
+    def eps(self, value: Any) -> None:
+        self._set(eps=value)
+
+    @property
+    def leftover(self) -> Any:
+        """What :meth:`flush` does with a short cycle: ``"apply"`` or ``"carry"``."""
+        return self._options.leftover
+
+    @leftover.setter
+    def leftover(self, value: Any) -> None:
+        self._set(leftover=value)
+
+    @property
+    def on_nonfinite(self) -> Any:
+        """What a non-finite cycle does: ``"skip"``, ``"raise"`` or ``"apply"``."""
+        return self._options.on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: Any) -> None:
+        self._set(on_nonfinite=value)
+
+    @property
+    def mixed_precision(self) -> Any:
+        """Dynamic loss scaling at cycle level."""
+        return self._options.mixed_precision
+
+    @mixed_precision.setter
+    def mixed_precision(self, value: Any) -> None:
+        self._set(mixed_precision=value)
+
+    @property
+    def initial_scale(self) -> Any:
+        """The first loss scale under ``mixed_precision``."""
+        return self._options.initial_scale
+
+    @initial_scale.setter
+    def initial_scale(self, value: Any) -> None:
+        self._set(initial_scale=value)
+
+    @property
+    def dynamic_growth_steps(self) -> Any:
+        """Good updates between doublings of the loss scale."""
+        return self._options.dynamic_growth_steps
+
+    @dynamic_growth_steps.setter
+    def dynamic_growth_steps(self, value: Any) -> None:
+        self._set(dynamic_growth_steps=value)
+
+    @property
+    def reduction(self) -> str:
+        """``"MEAN"``, ``"SUM"`` or ``"RUNNING_MEAN"`` (assigned in any letter case)."""
+        return keras_reduction(self._options.reduction)
+
+    @reduction.setter
+    def reduction(self, value: Any) -> None:
+        self._set(reduction=value)
 
     # ----------------------------------------------------------------------------- properties
 
@@ -345,6 +460,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return getter(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTINGS:
+            # Through the property's checks, whatever Keras's attribute tracking does.
+            getattr(type(self), name).fset(self, value)
+            return
         if name == "loss_scale_factor":
             # Straight to the property (TensorFlow's attribute tracking skips an assignment of
             # the value an attribute already has, None here).
@@ -387,11 +506,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         the wrapper's own settings win)."""
         if self.mixed_precision:
             return
-        self.initial_scale = _validation.check_positive(float(initial_scale), "initial_scale")
-        self.dynamic_growth_steps = _validation.check_int(
-            int(dynamic_growth_steps), "dynamic_growth_steps"
+        self._set(
+            mixed_precision=True,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(dynamic_growth_steps),
         )
-        self.mixed_precision = True
         if self.built:
             self._loss_scale.assign(self.initial_scale)
             self._growth.assign(0)
@@ -604,21 +723,21 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     # -------------------------------------------------------------------- shared arithmetic
 
     def _weight(self, batch_weight: Any) -> Any:
-        return 1.0 if self.reduction == "SUM" else ops.cast(batch_weight, "float32")
+        return 1.0 if self._options.reduction == "sum" else ops.cast(batch_weight, "float32")
 
     def _fold(self, accs: list[Any], grads: list[Any], first: Any, w: Any, w_before: Any) -> list:
         """New accumulator values after folding in one micro-batch (first: overwrite)."""
-        if self.reduction == "RUNNING_MEAN":
+        if self._options.reduction == "running_mean":
             total = ops.maximum(w_before + w, 1e-30)
             keep, take = w_before / total, w / total
             return [ops.where(first, g, a * keep + g * take) for a, g in zip(accs, grads)]
-        if self.reduction == "SUM":
+        if self._options.reduction == "sum":
             return [ops.where(first, g, a + g) for a, g in zip(accs, grads)]
         return [ops.where(first, g * w, a + g * w) for a, g in zip(accs, grads)]
 
     def _grad_scale(self, total_weight: Any, loss_scale: Any) -> Any:
         scale = ops.convert_to_tensor(1.0, "float32")
-        if self.reduction == "MEAN":
+        if self._options.reduction == "mean":
             scale = scale / ops.maximum(ops.cast(total_weight, "float32"), 1e-30)
         if self.mixed_precision:
             scale = scale / ops.cast(loss_scale, "float32")
@@ -749,6 +868,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             by_id = {id(v): g for g, v in zip(grads, trainable_variables)}
             trainable_variables = self._trainable_variables
             grads = [by_id.get(id(v)) for v in trainable_variables]
+        self._note_trace(next((g for g in grads if g is not None), None))
         if weight is not None:
             self._batch_weight.assign(weight)
         overwrite = self._overwrite_maxima(grads, self._micro_step, self._seen.value)
@@ -774,7 +894,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _check_weight(self, weight: Any) -> Any:
         """A micro-batch weight, checked where it is concrete (ValueError/TypeError)."""
-        if self.reduction == "SUM":
+        if self._options.reduction == "sum":
             raise ValueError(
                 'weight has no effect with reduction="SUM" (the plain sum of the gradients); '
                 'use reduction="MEAN" for a weighted mean'
@@ -866,7 +986,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         own_clipping = (self.clipnorm, self.clipvalue, self.global_clipnorm)
         return _core_path.Settings(
             accum_steps=self.accum_steps,
-            reduction=self.reduction,
+            reduction=self._options.reduction,
             mixed_precision=bool(self.mixed_precision),
             drops_nonfinite=self._drops_nonfinite(),
             static_scale=self._static_scale,
@@ -1086,6 +1206,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         n_own = len(self._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
+        self._note_trace(next((g for g in grads if g is not None), None))
         overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], own["accs"])
         present = [g is not None for g in grads]
         grads = self._dense(grads, self._trainable_variables)
@@ -1274,7 +1395,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         key = (
             present,
             self.accum_steps,
-            self.reduction,
+            self._options.reduction,
             self.mixed_precision,
             self.on_nonfinite,
             self.use_agc,

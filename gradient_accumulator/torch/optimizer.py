@@ -12,18 +12,17 @@ from typing import Any, Callable
 import torch
 
 from gradient_accumulator import _validation
-from gradient_accumulator._engine import REDUCTIONS
 from gradient_accumulator.torch import _params
 from gradient_accumulator.torch._guards import refuse_outer_accumulation
 from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
-    EXCLUSIVE_CLIPPING,
     HOOK_DICTS,
     AccumulationState,
     check_leftover,
     check_max_norm,
     check_options,
     check_policy,
+    checked,
     delegated,
     inner_attribute,
 )
@@ -184,17 +183,17 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     accum_steps = delegated(
         "_loop.cycle.accum_steps",
         "Micro-batches per update (may be changed between cycles; ranks must agree).",
-        lambda self, v: _validation.check_accum_steps(v),
+        checked("accum_steps"),
     )
     clip_factor = delegated(
         "_loop.update.clip_factor",
         "AGC's λ.",
-        lambda self, v: _validation.check_positive(v, "clip_factor"),
+        checked("clip_factor"),
     )
     eps = delegated(
         "_loop.update.eps",
         "AGC's ε (floor of a unit's weight norm).",
-        lambda self, v: _validation.check_positive(v, "eps", allow_zero=True),
+        checked("eps"),
     )
     grad_scaler = delegated("_loop.scaler.scaler", "The GradScaler of the losses, or None.")
     max_grad_norm = delegated("_loop.max_grad_norm", "The clip threshold.", check_max_norm)
@@ -218,17 +217,14 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @reduction.setter
     def reduction(self, value: str) -> None:
-        value = _validation.check_choice(value, "reduction", REDUCTIONS)
+        value = checked("reduction")(self, value)
         cycle = self._loop.cycle
-        if value != cycle.reduction:
-            if cycle.micro_step > 0:
-                raise ValueError(
-                    f"reduction can change between cycles only ({cycle.micro_step} "
-                    f"micro-batches of this cycle are accumulated as {cycle.reduction!r}; "
-                    "flush() first)"
-                )
-            if value == "running_mean" and self._loop.views is not None:
-                raise ValueError("gradient_as_view needs reduction='mean' or 'sum'")
+        if value != cycle.reduction and cycle.micro_step > 0:
+            raise ValueError(
+                f"reduction can change between cycles only ({cycle.micro_step} "
+                f"micro-batches of this cycle are accumulated as {cycle.reduction!r}; "
+                "flush() first)"
+            )
         cycle.reduction = value
 
     @property
@@ -238,9 +234,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @use_agc.setter
     def use_agc(self, value: bool) -> None:
-        value = _validation.check_bool(value, "use_agc")
-        if value and self.max_grad_norm is not None:
-            raise ValueError(EXCLUSIVE_CLIPPING)
+        value = checked("use_agc")(self, value)
         loop = self._loop
         loop.update.agc_skip = (
             _params.agc_excluded(loop.params, loop.agc_exclude) if value else None
