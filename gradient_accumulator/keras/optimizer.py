@@ -24,6 +24,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
 from gradient_accumulator._options import Options, check_agc_exclude, keras_reduction
+from gradient_accumulator.keras import _cycle
 from gradient_accumulator.keras._compat import after, to_numpy, warn_deprecated
 from gradient_accumulator.keras.agc import clip_one
 from gradient_accumulator.nonfinite import NonFiniteCounter
@@ -115,28 +116,6 @@ def _strategy() -> Any:
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
 
 
-def _traced(value: Any) -> bool:
-    """Whether this code runs traced or compiled (``value``: a tensor of the call, for JAX)."""
-    if _BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.executing_eagerly()
-    if _BACKEND == "jax":
-        import jax
-
-        return isinstance(value, jax.core.Tracer)
-    if _BACKEND == "torch":
-        import torch
-
-        return torch.compiler.is_compiling()
-    return False
-
-
-def _concrete(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
-    return None if _traced(value) else to_numpy(value)
-
-
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
 class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras 3 optimizer so that it updates once every ``accum_steps`` micro-batches.
@@ -206,6 +185,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             accumulated gradient at the boundary (not per micro-batch). Learning rate, weight
             decay, EMA and loss-scale factors belong to the inner optimizer. 0.5's ``lr`` and
             ``decay``, which it ignored, warn with ``DeprecationWarning``.
+
+    The settings (``accum_steps``, ``reduction``, ``use_agc``, ``clip_factor``, ``eps``,
+    ``leftover``, ``on_nonfinite``, the loss-scaling ones) may be assigned between cycles: they
+    are checked as the constructor's arguments (a bad value raises and changes nothing), and the
+    next ``fit`` traces its compiled step again when one it holds has changed. A step compiled
+    outside ``fit`` must be traced again by its owner.
 
     Example:
         >>> import numpy as np, keras
@@ -319,7 +304,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _note_trace(self, value: Any) -> None:
         """Remember the settings a traced step bakes in (``value``: a tensor of the call)."""
-        if _traced(value):
+        if _cycle.traced(value):
             self._traced_options = self._options
 
     @property
@@ -622,7 +607,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _eager(self) -> bool:
         """True when this call runs in Python on concrete values (not traced or compiled)."""
-        return not _traced(self._skipped.value)
+        return not _cycle.traced(self._skipped.value)
 
     # -------------------------------------------------------------------------------- build
 
@@ -722,28 +707,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------------------- shared arithmetic
 
-    def _weight(self, batch_weight: Any) -> Any:
-        return 1.0 if self._options.reduction == "sum" else ops.cast(batch_weight, "float32")
-
-    def _fold(self, accs: list[Any], grads: list[Any], first: Any, w: Any, w_before: Any) -> list:
-        """New accumulator values after folding in one micro-batch (first: overwrite)."""
-        if self._options.reduction == "running_mean":
-            total = ops.maximum(w_before + w, 1e-30)
-            keep, take = w_before / total, w / total
-            return [ops.where(first, g, a * keep + g * take) for a, g in zip(accs, grads)]
-        if self._options.reduction == "sum":
-            return [ops.where(first, g, a + g) for a, g in zip(accs, grads)]
-        return [ops.where(first, g * w, a + g * w) for a, g in zip(accs, grads)]
-
     def _grad_scale(self, total_weight: Any, loss_scale: Any) -> Any:
-        scale = ops.convert_to_tensor(1.0, "float32")
-        if self._options.reduction == "mean":
-            scale = scale / ops.maximum(ops.cast(total_weight, "float32"), 1e-30)
-        if self.mixed_precision:
-            scale = scale / ops.cast(loss_scale, "float32")
-        if self._static_scale is not None:
-            scale = scale / float(self._static_scale)
-        return scale
+        return _cycle.grad_scale(total_weight, loss_scale, self._options, self._static_scale)
 
     def _final_grads(
         self, accs: list[Any], variables: list[Any], params: list[Any], scale: Any
@@ -761,66 +726,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             ]
         grads = self._clip_gradients(grads)
         return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
-
-    @staticmethod
-    def _seen_after(seen: Any, present: Sequence[bool], first: Any) -> Any:
-        """The seen flags after a micro-step in which ``present`` variables have a gradient."""
-        mask = ops.convert_to_tensor(np.asarray(present, "float32"))
-        return ops.where(first, mask, ops.maximum(seen, mask))
-
-    @staticmethod
-    def _seen_choice(seen: Any, present: Sequence[bool]) -> tuple[Any, list[int], list[int]]:
-        """``(pred, if_true, if_false)``: the indices of the variables the boundary updates.
-
-        Those with a gradient in the cycle (``seen``, after the current micro-step); a variable
-        without any is left alone, optimizer state included. On concrete values the choice is
-        exact and static. In a traced function only the variables absent from the traced call
-        (``present`` False, a trace-time fact) can be unseen: they are updated as a group if any
-        of them had a gradient earlier in the cycle (from another traced function), else left
-        out. (So only a cycle mixing functions with different missing gradients can update an
-        unseen variable, with a zero gradient.)
-        """
-        everything = list(range(len(present)))
-        if all(present):  # every variable has a gradient now: nothing to read
-            return True, everything, everything
-        values = _concrete(seen)
-        if values is not None:
-            keep = [i for i in everything if values[i] > 0]
-            return True, keep, keep
-        absent = [i for i in everything if not present[i]]
-        others = [i for i in everything if present[i]]
-        pred = ops.any(ops.greater(ops.take(seen, np.asarray(absent, "int32")), 0.0))
-        return pred, everything, others
-
-    @staticmethod
-    def _on_choice(choice: tuple[Any, list[int], list[int]], update: Any) -> Any:
-        """``update(indices)`` for the variables ``choice`` (from :meth:`_seen_choice`) picks."""
-        pred, if_true, if_false = choice
-        if isinstance(pred, bool):
-            return update(if_true if pred else if_false)
-        return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
-
-    @staticmethod
-    def _dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-        out = []
-        for g, v in zip(grads, variables):
-            if g is None:
-                out.append(ops.zeros(v.shape, "float32"))
-            else:
-                out.append(ops.cast(ops.convert_to_tensor(g), "float32"))
-        return out
-
-    @staticmethod
-    def _all_finite(grads: list[Any]) -> Any:
-        return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
-
-    def _grown_scale(self, loss_scale: Any, growth: Any) -> tuple[Any, Any]:
-        """Loss scale and growth counter after one good update."""
-        grow = ops.greater_equal(growth + 1, self.dynamic_growth_steps)
-        return (
-            ops.where(grow, loss_scale * 2.0, loss_scale),
-            ops.where(grow, ops.zeros_like(growth), growth + 1),
-        )
 
     # ---------------------------------------------------------------------------- apply
 
@@ -905,7 +810,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             raise TypeError(f"weight must be a number or a scalar tensor, got {weight!r}")
         if hasattr(weight, "shape") and tuple(weight.shape) not in ((), (1,)):
             raise ValueError(f"weight must be a scalar, got shape {tuple(weight.shape)}")
-        concrete = _concrete(weight) if hasattr(weight, "shape") else np.asarray(weight)
+        concrete = _cycle.concrete(weight) if hasattr(weight, "shape") else np.asarray(weight)
         if concrete is not None and not (np.isfinite(concrete).all() and (concrete >= 0).all()):
             raise ValueError(f"weight must be finite and >= 0, got {float(concrete.ravel()[0])}")
         return ops.reshape(ops.cast(weight, "float32"), ())
@@ -1014,24 +919,35 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
         present = [g is not None for g in grads]
-        grads = self._dense(grads, variables)
+        grads = _cycle.dense(grads, variables)
         self._stateful_fold(grads, variables, present)
         # Every op below reads a counter written after the batch, so it is ordered after it.
         self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
 
     def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
-        first = ops.equal(self._micro_step, 0)
-        w = self._weight(self._batch_weight)
-        w_before = ops.where(first, 0.0, self._total_weight)
-        for acc, value in zip(accs, self._fold([a.value for a in accs], grads, first, w, w_before)):
+        state = _cycle.fold(
+            _cycle.FoldState(
+                [a.value for a in accs],
+                self._seen.value,
+                self._total_weight.value,
+                self._nonfinite.value,
+                self._micro_step.value,
+                self._iterations.value,
+            ),
+            grads,
+            self._batch_weight.value,
+            self._options,
+            present,
+        )
+        for acc, value in zip(accs, state.accs):
             acc.assign(value)
         if self.mixed_precision:
-            bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
-            self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
+            self._nonfinite.assign(state.nonfinite)
         with after(grads[:1]):
-            self._seen.assign(self._seen_after(self._seen.value, present, first))
-            self._total_weight.assign(w_before + w)
+            self._seen.assign(state.seen)
+            self._total_weight.assign(state.total_weight)
+            # Counted by increments, as replicas under tf.distribute count them.
             self._micro_step.assign_add(1)
             self._iterations.assign_add(1)
 
@@ -1056,13 +972,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             nonfinite = ops.cond(
                 boundary,
                 lambda: ops.cast(
-                    ops.logical_not(self._all_finite([a.value * scale for a in accs])), "float32"
+                    ops.logical_not(_cycle.all_finite([a.value * scale for a in accs])), "float32"
                 ),
                 lambda: ops.convert_to_tensor(0.0, "float32"),
             )
         checks = self.mixed_precision or drops
         merged = strategy is not None and not _no_merge_call()
-        pred, if_true, if_false = self._seen_choice(self._seen.value, present)
+        pred, if_true, if_false = _cycle.seen_choice(self._seen.value, present)
         if strategy is not None and checks and not merged:
             import tensorflow as tf
 
@@ -1119,13 +1035,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             do_update = ops.logical_and(boundary, ops.logical_not(skip))
             ops.cond(
                 do_update,
-                lambda: self._on_choice(
+                lambda: _cycle.on_choice(
                     (pred, if_true, if_false), lambda keep: self._inner_update(variables, keep)
                 ),
                 lambda: None,
             )
         if self.mixed_precision:
-            scale, growth = self._grown_scale(self._loss_scale.value, self._growth.value)
+            scale, growth = _cycle.grown_scale(
+                self._loss_scale.value, self._growth.value, self._options
+            )
             scale = ops.where(skip, self._loss_scale * 0.5, scale)
             growth = ops.where(skip, ops.zeros_like(growth), growth)
             self._loss_scale.assign(ops.where(boundary, scale, self._loss_scale))
@@ -1209,19 +1127,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._note_trace(next((g for g in grads if g is not None), None))
         overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], own["accs"])
         present = [g is not None for g in grads]
-        grads = self._dense(grads, self._trainable_variables)
+        grads = _cycle.dense(grads, self._trainable_variables)
 
-        first = ops.equal(own["micro_step"], 0)
-        own["seen"] = self._seen_after(own["seen"], present, first)
-        w = self._weight(own["batch_weight"])
-        w_before = ops.where(first, 0.0, own["total_weight"])
-        own["accs"] = self._fold(own["accs"], grads, first, w, w_before)
-        if self.mixed_precision:
-            bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
-            own["nonfinite"] = ops.maximum(ops.where(first, 0.0, own["nonfinite"]), bad)
-        own["total_weight"] = ops.cast(w_before + w, "float32")
-        own["micro_step"] = own["micro_step"] + 1
-        own["iterations"] = own["iterations"] + 1
+        fields = ("accs", "seen", "total_weight", "nonfinite", "micro_step", "iterations")
+        state = _cycle.fold(
+            _cycle.FoldState(*(own[k] for k in fields)),
+            grads,
+            own["batch_weight"],
+            self._options,
+            present,
+        )
+        own.update(state._asdict())
         boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables, present
@@ -1247,7 +1163,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """If ``boundary``: update through the inner optimizer and reset the counters."""
         carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite", "skipped")
         # Decided outside the conditional, where the seen flags may still be concrete.
-        choice = self._seen_choice(own["seen"], present)
+        choice = _cycle.seen_choice(own["seen"], present)
 
         def update() -> tuple:
             grads = self._final_grads(
@@ -1272,9 +1188,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 return list(tv), list(inner)
 
             def good() -> tuple:
-                tv, inner = self._on_choice(choice, inner_update)
+                tv, inner = _cycle.on_choice(choice, inner_update)
                 if self.mixed_precision:
-                    scale, growth = self._grown_scale(own["loss_scale"], own["growth"])
+                    scale, growth = _cycle.grown_scale(
+                        own["loss_scale"], own["growth"], self._options
+                    )
                 else:
                     scale, growth = own["loss_scale"], own["growth"]
                 return list(tv), list(inner), scale, growth, own["skipped"]
@@ -1302,7 +1220,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             elif self._drops_nonfinite():
                 # The cycle's final gradient itself is checked (NaN/Inf of any micro-batch,
                 # or a sum that overflowed float32).
-                out = ops.cond(self._all_finite(grads), good, dropped)
+                out = ops.cond(_cycle.all_finite(grads), good, dropped)
             else:
                 out = good()
             tv, inner, scale, growth, skipped = out
