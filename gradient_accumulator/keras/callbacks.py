@@ -125,8 +125,10 @@ def _with_flush(callbacks: Any, model: Any) -> None:
     """Put a FlushAccumulation first in ``callbacks`` (a CallbackList) when ``model``'s
     optimizer accumulates: its epoch-end flush must come before the other callbacks see the
     epoch's weights (a checkpoint, an early stop)."""
-    if find_accumulator(getattr(model, "optimizer", None)) is None:
+    opt = find_accumulator(getattr(model, "optimizer", None))
+    if opt is None:
         return
+    opt._retrace_if_changed(model)  # a setting changed since fit compiled its step
     found = [c for c in callbacks.callbacks if isinstance(c, FlushAccumulation)]
     flush = found[0] if found else FlushAccumulation()
     callbacks.callbacks = [flush] + [c for c in callbacks.callbacks if c is not flush]

@@ -22,6 +22,8 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
+from gradient_accumulator._options import Options, check_agc_exclude, keras_reduction
+from gradient_accumulator.keras import _cycle
 from gradient_accumulator.keras._compat import (
     after,
     loss_scale_optimizer_wrapping,
@@ -29,7 +31,7 @@ from gradient_accumulator.keras._compat import (
     warn_deprecated,
 )
 from gradient_accumulator.keras.agc import clip_one
-from gradient_accumulator.nonfinite import NonFiniteCounter, check_on_nonfinite
+from gradient_accumulator.nonfinite import NonFiniteCounter
 
 __all__ = ["GradientAccumulateOptimizer"]
 
@@ -70,7 +72,19 @@ _SCALARS = (
     "skipped",
 )
 _INT_SCALARS = ("micro_step", "growth", "skipped")
-_REDUCTIONS = ("MEAN", "SUM", "RUNNING_MEAN")
+# Settings held by the options record (properties, checked on assignment).
+_SETTINGS = (
+    "accum_steps",
+    "reduction",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "leftover",
+    "on_nonfinite",
+    "mixed_precision",
+    "initial_scale",
+    "dynamic_growth_steps",
+)
 
 
 def _resolve_inner(optimizer: Any) -> Any:
@@ -104,28 +118,6 @@ def _strategy() -> Any:
     import tensorflow as tf
 
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-
-
-def _traced(value: Any) -> bool:
-    """Whether this code runs traced or compiled (``value``: a tensor of the call, for JAX)."""
-    if _BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.executing_eagerly()
-    if _BACKEND == "jax":
-        import jax
-
-        return isinstance(value, jax.core.Tracer)
-    if _BACKEND == "torch":
-        import torch
-
-        return torch.compiler.is_compiling()
-    return False
-
-
-def _concrete(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
-    return None if _traced(value) else to_numpy(value)
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -198,6 +190,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             decay, EMA and loss-scale factors belong to the inner optimizer. 0.5's ``lr`` and
             ``decay``, which it ignored, warn with ``DeprecationWarning``.
 
+    The settings (``accum_steps``, ``reduction``, ``use_agc``, ``clip_factor``, ``eps``,
+    ``leftover``, ``on_nonfinite``, the loss-scaling ones) may be assigned between cycles: they
+    are checked as the constructor's arguments (a bad value raises and changes nothing), and the
+    next ``fit`` traces its compiled step again when one it holds has changed. A step compiled
+    outside ``fit`` must be traced again by its owner.
+
     Example:
         >>> import numpy as np, keras
         >>> from gradient_accumulator.keras import GradientAccumulateOptimizer
@@ -229,13 +227,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         on_nonfinite: str = "skip",
         **kwargs: Any,
     ) -> None:
-        accum_steps = _validation.check_accum_steps(accum_steps)
-        on_nonfinite = check_on_nonfinite(on_nonfinite)
-        reduction = _validation.check_choice(reduction, "reduction", _REDUCTIONS)
-        mixed_precision = _validation.check_bool(mixed_precision, "mixed_precision")
-        use_agc = _validation.check_bool(use_agc, "use_agc")
-        clip_factor, eps = _validation.check_agc_args(clip_factor, eps)
-        leftover = _validation.check_choice(leftover, "leftover", ("apply", "carry"))
         # 0.5 accepted these (Keras 2's OptimizerV2 arguments) and ignored them.
         for key, instead in _IGNORED_FROM_0_5.items():
             if key in kwargs:
@@ -263,36 +254,33 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 "the inner optimizer has gradient_accumulation_steps set; accumulate with the "
                 "wrapper's accum_steps only"
             )
-        initial_scale = _validation.check_positive(initial_scale, "initial_scale")
-        dynamic_growth_steps = _validation.check_int(dynamic_growth_steps, "dynamic_growth_steps")
+        options = Options(
+            accum_steps=accum_steps,
+            reduction=reduction,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            leftover=leftover,
+            on_nonfinite=on_nonfinite,
+            mixed_precision=mixed_precision,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+        )
         if use_core is not None:
             use_core = _validation.check_bool(use_core, "use_core")
             if use_core and _BACKEND != "torch":
                 raise ValueError(
                     f"use_core=True needs the torch backend; this Keras runs on {_BACKEND}"
                 )
-        if agc_exclude is not None and not isinstance(agc_exclude, (str, Iterable)):
-            raise TypeError(
-                "agc_exclude must be 'final', None, or an iterable of variables, layers or "
-                f"patterns, got {type(agc_exclude).__name__}"
-            )
-        if isinstance(agc_exclude, str) and agc_exclude != "final":
-            agc_exclude = (agc_exclude,)
+        agc_exclude = check_agc_exclude(agc_exclude)
 
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self.optimizer = inner
-        self.accum_steps = accum_steps
-        self.reduction = reduction
-        self.mixed_precision = mixed_precision
-        self.use_agc = use_agc
-        self.clip_factor = clip_factor
-        self.eps = eps
+        self._options = options
+        # The settings a compiled step was traced with (see _retrace_if_changed).
+        self._traced_options: Options | None = None
         self.agc_exclude = agc_exclude
-        self.leftover = leftover
-        self.initial_scale = initial_scale
-        self.dynamic_growth_steps = dynamic_growth_steps
         self.use_core = use_core
-        self.on_nonfinite = on_nonfinite
         self._nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
         self._reported_skips = 0
         # The inner optimizer's static loss-scale factor is taken over: scale_loss() is ours.
@@ -300,6 +288,118 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         inner.loss_scale_factor = None
         self._core_engine = None  # the PyTorch backend's eager path, built at first use
         self._build_strategy = None  # the tf.distribute strategy of build(), if any
+
+    # ------------------------------------------------------------------------------- settings
+
+    def _set(self, **changes: Any) -> None:
+        """Replace settings through the options record: checked together, all or nothing."""
+        self._options = self._options.replace(**changes)
+
+    def _retrace_if_changed(self, model: Any) -> bool:
+        """Drop ``model``'s compiled train step if a setting it holds as a constant changed
+        since it was traced (``fit`` calls this before it makes its step). Returns whether it
+        did."""
+        if self._traced_options is None or self._traced_options == self._options:
+            return False
+        self._traced_options = None
+        if getattr(model, "train_function", None) is not None:
+            model.train_function = None
+        return True
+
+    def _note_trace(self, value: Any) -> None:
+        """Remember the settings a traced step bakes in (``value``: a tensor of the call)."""
+        if _cycle.traced(value):
+            self._traced_options = self._options
+
+    @property
+    def accum_steps(self) -> Any:
+        """Micro-batches per update (may change between cycles)."""
+        return self._options.accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: Any) -> None:
+        self._set(accum_steps=value)
+
+    @property
+    def use_agc(self) -> Any:
+        """Adaptive gradient clipping of the accumulated gradient at the boundary."""
+        return self._options.use_agc
+
+    @use_agc.setter
+    def use_agc(self, value: Any) -> None:
+        self._set(use_agc=value)
+
+    @property
+    def clip_factor(self) -> Any:
+        """AGC's λ."""
+        return self._options.clip_factor
+
+    @clip_factor.setter
+    def clip_factor(self, value: Any) -> None:
+        self._set(clip_factor=value)
+
+    @property
+    def eps(self) -> Any:
+        """AGC's ε, the floor of a unit's weight norm."""
+        return self._options.eps
+
+    @eps.setter
+    def eps(self, value: Any) -> None:
+        self._set(eps=value)
+
+    @property
+    def leftover(self) -> Any:
+        """What :meth:`flush` does with a short cycle: ``"apply"`` or ``"carry"``."""
+        return self._options.leftover
+
+    @leftover.setter
+    def leftover(self, value: Any) -> None:
+        self._set(leftover=value)
+
+    @property
+    def on_nonfinite(self) -> Any:
+        """What a non-finite cycle does: ``"skip"``, ``"raise"`` or ``"apply"``."""
+        return self._options.on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: Any) -> None:
+        self._set(on_nonfinite=value)
+
+    @property
+    def mixed_precision(self) -> Any:
+        """Dynamic loss scaling at cycle level."""
+        return self._options.mixed_precision
+
+    @mixed_precision.setter
+    def mixed_precision(self, value: Any) -> None:
+        self._set(mixed_precision=value)
+
+    @property
+    def initial_scale(self) -> Any:
+        """The first loss scale under ``mixed_precision``."""
+        return self._options.initial_scale
+
+    @initial_scale.setter
+    def initial_scale(self, value: Any) -> None:
+        self._set(initial_scale=value)
+
+    @property
+    def dynamic_growth_steps(self) -> Any:
+        """Good updates between doublings of the loss scale."""
+        return self._options.dynamic_growth_steps
+
+    @dynamic_growth_steps.setter
+    def dynamic_growth_steps(self, value: Any) -> None:
+        self._set(dynamic_growth_steps=value)
+
+    @property
+    def reduction(self) -> str:
+        """``"MEAN"``, ``"SUM"`` or ``"RUNNING_MEAN"`` (assigned in any letter case)."""
+        return keras_reduction(self._options.reduction)
+
+    @reduction.setter
+    def reduction(self, value: Any) -> None:
+        self._set(reduction=value)
 
     # ----------------------------------------------------------------------------- properties
 
@@ -349,6 +449,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return getter(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTINGS:
+            # Through the property's checks, whatever Keras's attribute tracking does.
+            getattr(type(self), name).fset(self, value)
+            return
         if name == "loss_scale_factor":
             # Straight to the property (TensorFlow's attribute tracking skips an assignment of
             # the value an attribute already has, None here).
@@ -382,11 +486,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         the wrapper's own settings win)."""
         if self.mixed_precision:
             return
-        self.initial_scale = _validation.check_positive(float(initial_scale), "initial_scale")
-        self.dynamic_growth_steps = _validation.check_int(
-            int(dynamic_growth_steps), "dynamic_growth_steps"
+        self._set(
+            mixed_precision=True,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(dynamic_growth_steps),
         )
-        self.mixed_precision = True
         if self.built:
             self._loss_scale.assign(self.initial_scale)
             self._growth.assign(0)
@@ -498,7 +602,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _eager(self) -> bool:
         """True when this call runs in Python on concrete values (not traced or compiled)."""
-        return not _traced(self._skipped.value)
+        return not _cycle.traced(self._skipped.value)
 
     # -------------------------------------------------------------------------------- build
 
@@ -605,28 +709,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------------------- shared arithmetic
 
-    def _weight(self, batch_weight: Any) -> Any:
-        return 1.0 if self.reduction == "SUM" else ops.cast(batch_weight, "float32")
-
-    def _fold(self, accs: list[Any], grads: list[Any], first: Any, w: Any, w_before: Any) -> list:
-        """New accumulator values after folding in one micro-batch (first: overwrite)."""
-        if self.reduction == "RUNNING_MEAN":
-            total = ops.maximum(w_before + w, 1e-30)
-            keep, take = w_before / total, w / total
-            return [ops.where(first, g, a * keep + g * take) for a, g in zip(accs, grads)]
-        if self.reduction == "SUM":
-            return [ops.where(first, g, a + g) for a, g in zip(accs, grads)]
-        return [ops.where(first, g * w, a + g * w) for a, g in zip(accs, grads)]
-
     def _grad_scale(self, total_weight: Any, loss_scale: Any) -> Any:
-        scale = ops.convert_to_tensor(1.0, "float32")
-        if self.reduction == "MEAN":
-            scale = scale / ops.maximum(ops.cast(total_weight, "float32"), 1e-30)
-        if self.mixed_precision:
-            scale = scale / ops.cast(loss_scale, "float32")
-        if self._static_scale is not None:
-            scale = scale / float(self._static_scale)
-        return scale
+        return _cycle.grad_scale(total_weight, loss_scale, self._options, self._static_scale)
 
     def _final_grads(
         self, accs: list[Any], variables: list[Any], params: list[Any], scale: Any
@@ -644,66 +728,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             ]
         grads = self._clip_gradients(grads)
         return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
-
-    @staticmethod
-    def _seen_after(seen: Any, present: Sequence[bool], first: Any) -> Any:
-        """The seen flags after a micro-step in which ``present`` variables have a gradient."""
-        mask = ops.convert_to_tensor(np.asarray(present, "float32"))
-        return ops.where(first, mask, ops.maximum(seen, mask))
-
-    @staticmethod
-    def _seen_choice(seen: Any, present: Sequence[bool]) -> tuple[Any, list[int], list[int]]:
-        """``(pred, if_true, if_false)``: the indices of the variables the boundary updates.
-
-        Those with a gradient in the cycle (``seen``, after the current micro-step); a variable
-        without any is left alone, optimizer state included. On concrete values the choice is
-        exact and static. In a traced function only the variables absent from the traced call
-        (``present`` False, a trace-time fact) can be unseen: they are updated as a group if any
-        of them had a gradient earlier in the cycle (from another traced function), else left
-        out. (So only a cycle mixing functions with different missing gradients can update an
-        unseen variable, with a zero gradient.)
-        """
-        everything = list(range(len(present)))
-        if all(present):  # every variable has a gradient now: nothing to read
-            return True, everything, everything
-        values = _concrete(seen)
-        if values is not None:
-            keep = [i for i in everything if values[i] > 0]
-            return True, keep, keep
-        absent = [i for i in everything if not present[i]]
-        others = [i for i in everything if present[i]]
-        pred = ops.any(ops.greater(ops.take(seen, np.asarray(absent, "int32")), 0.0))
-        return pred, everything, others
-
-    @staticmethod
-    def _on_choice(choice: tuple[Any, list[int], list[int]], update: Any) -> Any:
-        """``update(indices)`` for the variables ``choice`` (from :meth:`_seen_choice`) picks."""
-        pred, if_true, if_false = choice
-        if isinstance(pred, bool):
-            return update(if_true if pred else if_false)
-        return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
-
-    @staticmethod
-    def _dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-        out = []
-        for g, v in zip(grads, variables):
-            if g is None:
-                out.append(ops.zeros(v.shape, "float32"))
-            else:
-                out.append(ops.cast(ops.convert_to_tensor(g), "float32"))
-        return out
-
-    @staticmethod
-    def _all_finite(grads: list[Any]) -> Any:
-        return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
-
-    def _grown_scale(self, loss_scale: Any, growth: Any) -> tuple[Any, Any]:
-        """Loss scale and growth counter after one good update."""
-        grow = ops.greater_equal(growth + 1, self.dynamic_growth_steps)
-        return (
-            ops.where(grow, loss_scale * 2.0, loss_scale),
-            ops.where(grow, ops.zeros_like(growth), growth + 1),
-        )
 
     # ---------------------------------------------------------------------------- apply
 
@@ -751,6 +775,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             by_id = {id(v): g for g, v in zip(grads, trainable_variables)}
             trainable_variables = self._trainable_variables
             grads = [by_id.get(id(v)) for v in trainable_variables]
+        self._note_trace(next((g for g in grads if g is not None), None))
         if weight is not None:
             self._batch_weight.assign(weight)
         overwrite = self._overwrite_maxima(grads, self._micro_step, self._seen.value)
@@ -776,7 +801,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _check_weight(self, weight: Any) -> Any:
         """A micro-batch weight, checked where it is concrete (ValueError/TypeError)."""
-        if self.reduction == "SUM":
+        if self._options.reduction == "sum":
             raise ValueError(
                 'weight has no effect with reduction="SUM" (the plain sum of the gradients); '
                 'use reduction="MEAN" for a weighted mean'
@@ -787,7 +812,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             raise TypeError(f"weight must be a number or a scalar tensor, got {weight!r}")
         if hasattr(weight, "shape") and tuple(weight.shape) not in ((), (1,)):
             raise ValueError(f"weight must be a scalar, got shape {tuple(weight.shape)}")
-        concrete = _concrete(weight) if hasattr(weight, "shape") else np.asarray(weight)
+        concrete = _cycle.concrete(weight) if hasattr(weight, "shape") else np.asarray(weight)
         if concrete is not None and not (np.isfinite(concrete).all() and (concrete >= 0).all()):
             raise ValueError(f"weight must be finite and >= 0, got {float(concrete.ravel()[0])}")
         return ops.reshape(ops.cast(weight, "float32"), ())
@@ -868,7 +893,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         own_clipping = (self.clipnorm, self.clipvalue, self.global_clipnorm)
         return _core_path.Settings(
             accum_steps=self.accum_steps,
-            reduction=self.reduction,
+            reduction=self._options.reduction,
             mixed_precision=bool(self.mixed_precision),
             drops_nonfinite=self._drops_nonfinite(),
             static_scale=self._static_scale,
@@ -896,24 +921,35 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
         present = [g is not None for g in grads]
-        grads = self._dense(grads, variables)
+        grads = _cycle.dense(grads, variables)
         self._stateful_fold(grads, variables, present)
         # Every op below reads a counter written after the batch, so it is ordered after it.
         self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
 
     def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
-        first = ops.equal(self._micro_step, 0)
-        w = self._weight(self._batch_weight)
-        w_before = ops.where(first, 0.0, self._total_weight)
-        for acc, value in zip(accs, self._fold([a.value for a in accs], grads, first, w, w_before)):
+        state = _cycle.fold(
+            _cycle.FoldState(
+                [a.value for a in accs],
+                self._seen.value,
+                self._total_weight.value,
+                self._nonfinite.value,
+                self._micro_step.value,
+                self._iterations.value,
+            ),
+            grads,
+            self._batch_weight.value,
+            self._options,
+            present,
+        )
+        for acc, value in zip(accs, state.accs):
             acc.assign(value)
         if self.mixed_precision:
-            bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
-            self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
+            self._nonfinite.assign(state.nonfinite)
         with after(grads[:1]):
-            self._seen.assign(self._seen_after(self._seen.value, present, first))
-            self._total_weight.assign(w_before + w)
+            self._seen.assign(state.seen)
+            self._total_weight.assign(state.total_weight)
+            # Counted by increments, as replicas under tf.distribute count them.
             self._micro_step.assign_add(1)
             self._iterations.assign_add(1)
 
@@ -938,13 +974,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             nonfinite = ops.cond(
                 boundary,
                 lambda: ops.cast(
-                    ops.logical_not(self._all_finite([a.value * scale for a in accs])), "float32"
+                    ops.logical_not(_cycle.all_finite([a.value * scale for a in accs])), "float32"
                 ),
                 lambda: ops.convert_to_tensor(0.0, "float32"),
             )
         checks = self.mixed_precision or drops
         merged = strategy is not None and not _no_merge_call()
-        pred, if_true, if_false = self._seen_choice(self._seen.value, present)
+        pred, if_true, if_false = _cycle.seen_choice(self._seen.value, present)
         if strategy is not None and checks and not merged:
             import tensorflow as tf
 
@@ -1001,13 +1037,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             do_update = ops.logical_and(boundary, ops.logical_not(skip))
             ops.cond(
                 do_update,
-                lambda: self._on_choice(
+                lambda: _cycle.on_choice(
                     (pred, if_true, if_false), lambda keep: self._inner_update(variables, keep)
                 ),
                 lambda: None,
             )
         if self.mixed_precision:
-            scale, growth = self._grown_scale(self._loss_scale.value, self._growth.value)
+            scale, growth = _cycle.grown_scale(
+                self._loss_scale.value, self._growth.value, self._options
+            )
             scale = ops.where(skip, self._loss_scale * 0.5, scale)
             growth = ops.where(skip, ops.zeros_like(growth), growth)
             self._loss_scale.assign(ops.where(boundary, scale, self._loss_scale))
@@ -1088,21 +1126,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         n_own = len(self._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
+        self._note_trace(next((g for g in grads if g is not None), None))
         overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], own["accs"])
         present = [g is not None for g in grads]
-        grads = self._dense(grads, self._trainable_variables)
+        grads = _cycle.dense(grads, self._trainable_variables)
 
-        first = ops.equal(own["micro_step"], 0)
-        own["seen"] = self._seen_after(own["seen"], present, first)
-        w = self._weight(own["batch_weight"])
-        w_before = ops.where(first, 0.0, own["total_weight"])
-        own["accs"] = self._fold(own["accs"], grads, first, w, w_before)
-        if self.mixed_precision:
-            bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
-            own["nonfinite"] = ops.maximum(ops.where(first, 0.0, own["nonfinite"]), bad)
-        own["total_weight"] = ops.cast(w_before + w, "float32")
-        own["micro_step"] = own["micro_step"] + 1
-        own["iterations"] = own["iterations"] + 1
+        fields = ("accs", "seen", "total_weight", "nonfinite", "micro_step", "iterations")
+        state = _cycle.fold(
+            _cycle.FoldState(*(own[k] for k in fields)),
+            grads,
+            own["batch_weight"],
+            self._options,
+            present,
+        )
+        own.update(state._asdict())
         boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables, present
@@ -1128,7 +1165,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """If ``boundary``: update through the inner optimizer and reset the counters."""
         carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite", "skipped")
         # Decided outside the conditional, where the seen flags may still be concrete.
-        choice = self._seen_choice(own["seen"], present)
+        choice = _cycle.seen_choice(own["seen"], present)
 
         def update() -> tuple:
             grads = self._final_grads(
@@ -1153,9 +1190,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 return list(tv), list(inner)
 
             def good() -> tuple:
-                tv, inner = self._on_choice(choice, inner_update)
+                tv, inner = _cycle.on_choice(choice, inner_update)
                 if self.mixed_precision:
-                    scale, growth = self._grown_scale(own["loss_scale"], own["growth"])
+                    scale, growth = _cycle.grown_scale(
+                        own["loss_scale"], own["growth"], self._options
+                    )
                 else:
                     scale, growth = own["loss_scale"], own["growth"]
                 return list(tv), list(inner), scale, growth, own["skipped"]
@@ -1183,7 +1222,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             elif self._drops_nonfinite():
                 # The cycle's final gradient itself is checked (NaN/Inf of any micro-batch,
                 # or a sum that overflowed float32).
-                out = ops.cond(self._all_finite(grads), good, dropped)
+                out = ops.cond(_cycle.all_finite(grads), good, dropped)
             else:
                 out = good()
             tv, inner, scale, growth, skipped = out
@@ -1276,7 +1315,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         key = (
             present,
             self.accum_steps,
-            self.reduction,
+            self._options.reduction,
             self.mixed_precision,
             self.on_nonfinite,
             self.use_agc,

@@ -1,5 +1,9 @@
 """The optimizer wrapper's options, checked in one place before anything is built, and the parts
-of ``torch.optim.Optimizer``'s interface a wrapper that never calls its ``__init__`` provides."""
+of ``torch.optim.Optimizer``'s interface a wrapper that never calls its ``__init__`` provides.
+
+The settings themselves are :class:`gradient_accumulator._options.Options`, the record both
+wrappers share; this module adds the checks of the PyTorch objects handed to the wrapper and the
+setters' check against the wrapper's current settings (:func:`checked`)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradient_accumulator import _validation
-from gradient_accumulator._engine import REDUCTIONS
-from gradient_accumulator.nonfinite import check_on_nonfinite
+from gradient_accumulator._options import EXCLUSIVE_CLIPPING, LEFTOVERS, Options
 
 __all__ = [
     "HOOK_DICTS",
@@ -22,12 +24,10 @@ __all__ = [
     "check_max_norm",
     "check_options",
     "check_policy",
-    "delegated",
+    "checked",
     "inner_attribute",
 ]
 
-LEFTOVERS = ("apply", "carry")
-EXCLUSIVE_CLIPPING = "use_agc and max_grad_norm are exclusive: choose one clipping rule"
 # The hook registries of torch.optim.Optimizer, which a wrapper not calling its __init__ needs.
 HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -53,23 +53,6 @@ class AccumulationState(NamedTuple):
     total_weight: float
     nonfinite: bool
     updates: int
-
-
-class Options(NamedTuple):
-    """The wrapper's constructor arguments, checked and normalised (see its docstring)."""
-
-    accum_steps: int
-    reduction: str
-    max_grad_norm: float | None
-    use_agc: bool
-    clip_factor: float
-    eps: float
-    leftover: str
-    on_nonfinite: str
-    bucket_cap_mb: float
-    overlap_reduce: bool
-    reduce_timeout: float | None
-    gradient_as_view: bool
 
 
 def needs_closure(optimizer: Any) -> bool:
@@ -105,52 +88,42 @@ def check_options(
             "cycle). Use it without GradientAccumulateOptimizer, with a closure that sums the "
             "micro-batches' weighted losses"
         )
-    o = dict(kwargs)
-    o["accum_steps"] = _validation.check_accum_steps(o["accum_steps"])
-    o["reduction"] = _validation.check_choice(o["reduction"], "reduction", REDUCTIONS)
-    o["leftover"] = _validation.check_choice(o["leftover"], "leftover", LEFTOVERS)
-    if o["max_grad_norm"] is not None:
-        o["max_grad_norm"] = _validation.check_positive(o["max_grad_norm"], "max_grad_norm")
-    o["use_agc"] = _validation.check_bool(o["use_agc"], "use_agc")
-    if o["use_agc"] and o["max_grad_norm"] is not None:
-        raise ValueError(EXCLUSIVE_CLIPPING)
-    o["clip_factor"], o["eps"] = _validation.check_agc_args(o["clip_factor"], o["eps"])
-    o["on_nonfinite"] = check_on_nonfinite(o["on_nonfinite"])
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
         raise TypeError("grad_scaler must be a torch.amp.GradScaler")
-    o["gradient_as_view"] = _validation.check_bool(o["gradient_as_view"], "gradient_as_view")
-    if o["gradient_as_view"] and o["reduction"] == "running_mean":
-        raise ValueError(
-            "gradient_as_view needs reduction='mean' or 'sum' (autograd adds gradients into "
-            "the accumulators; a running mean rescales them every micro-step)"
-        )
-    o["bucket_cap_mb"] = _validation.check_positive(o["bucket_cap_mb"], "bucket_cap_mb")
-    if o["reduce_timeout"] is not None:
-        o["reduce_timeout"] = _validation.check_positive(o["reduce_timeout"], "reduce_timeout")
-    o["overlap_reduce"] = bool(o["overlap_reduce"])
-    return Options(**o)
+    return Options(**kwargs)
 
 
-def check_max_norm(wrapper: Any, value: Any) -> float | None:
-    """A new ``max_grad_norm`` for ``wrapper``: None, or finite and > 0, and not beside AGC."""
-    if value is None:
-        return None
-    value = _validation.check_positive(value, "max_grad_norm")
-    if wrapper.use_agc:
-        raise ValueError(EXCLUSIVE_CLIPPING)
-    return value
+def current_options(wrapper: Any) -> Options:
+    """``wrapper``'s settings as they are now, as a record."""
+    loop = wrapper._loop
+    return Options(
+        accum_steps=loop.cycle.accum_steps,
+        reduction=loop.cycle.reduction,
+        max_grad_norm=loop.max_grad_norm,
+        use_agc=loop.update.agc_skip is not None,
+        clip_factor=loop.update.clip_factor,
+        eps=loop.update.eps,
+        leftover=loop.leftover,
+        on_nonfinite=loop.on_nonfinite,
+        gradient_as_view=loop.views is not None,
+    )
 
 
-def check_leftover(wrapper: Any, value: Any) -> str:
-    """A new ``leftover`` for ``wrapper``: ``"apply"`` or ``"carry"``."""
-    return _validation.check_choice(value, "leftover", LEFTOVERS)
+def checked(name: str) -> Any:
+    """The check of a setter of ``name``: the value as the record normalises it, refused
+    (``TypeError``/``ValueError``) if it is bad or breaks a rule with the current settings."""
+
+    def check(wrapper: Any, value: Any) -> Any:
+        return getattr(current_options(wrapper).replace(**{name: value}), name)
+
+    return check
 
 
-def check_policy(wrapper: Any, value: Any) -> str:
-    """A new ``on_nonfinite`` for ``wrapper``: ``"skip"``, ``"raise"`` or ``"apply"``."""
-    return check_on_nonfinite(value)
+check_max_norm = checked("max_grad_norm")
+check_leftover = checked("leftover")
+check_policy = checked("on_nonfinite")
 
 
 def inner_attribute(name: str) -> property:
@@ -164,24 +137,3 @@ def inner_attribute(name: str) -> property:
         setattr(self.optimizer, name, value)
 
     return property(get, set_, doc=f"The inner optimizer's ``{name}``.")
-
-
-def delegated(path: str, doc: str, check: Any = None, *, read_only: bool = False) -> property:
-    """A wrapper setting or read-out that lives on one of its parts (``path``:
-    ``"part.attribute"``, or deeper; a part that is None reads as 0), checked by
-    ``check(wrapper, value)`` when assigned."""
-    *parts, name = path.split(".")
-
-    def owner(self: Any) -> Any:
-        for part in parts:
-            self = getattr(self, part)
-        return self
-
-    def get(self: Any) -> Any:
-        part = owner(self)
-        return 0 if part is None else getattr(part, name)
-
-    def set_(self: Any, value: Any) -> None:
-        setattr(owner(self), name, value if check is None else check(self, value))
-
-    return property(get, None if read_only else set_, doc=doc)

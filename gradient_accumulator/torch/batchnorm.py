@@ -680,6 +680,16 @@ def _batchnorm_like(m: nn.Module) -> bool:
     )
 
 
+def _is_accumulating(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a GradientAccumulateOptimizer (by its class, without importing
+    torch/optimizer.py, which imports this module)."""
+    return any(
+        c.__name__ == "GradientAccumulateOptimizer"
+        and c.__module__ == "gradient_accumulator.torch.optimizer"
+        for c in type(optimizer).__mro__
+    )
+
+
 def convert_batchnorm(
     module: nn.Module, optimizer: Any = None, *, accum_steps: int | None = None
 ) -> nn.Module:
@@ -737,10 +747,10 @@ def convert_batchnorm(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    from gradient_accumulator.torch.optimizer import GradientAccumulateOptimizer
-
-    if optimizer is not None and not isinstance(
-        optimizer, (GradientAccumulateOptimizer, torch.optim.Optimizer)
+    if (
+        optimizer is not None
+        and not _is_accumulating(optimizer)
+        and not isinstance(optimizer, torch.optim.Optimizer)
     ):
         # convert_batchnorm(model, k), the form of earlier versions: k is accum_steps.
         if accum_steps is not None:
@@ -752,7 +762,7 @@ def convert_batchnorm(
                 "convert_batchnorm takes optimizer or accum_steps, not both (registered "
                 "layers take accum_steps from the optimizer)"
             )
-        if not isinstance(optimizer, GradientAccumulateOptimizer):
+        if not _is_accumulating(optimizer):
             raise TypeError(
                 "optimizer must be a GradientAccumulateOptimizer (the one that trains the "
                 f"module), got {type(optimizer).__name__}; wrap it first"

@@ -12,17 +12,16 @@ from typing import Any, Callable
 import torch
 
 from gradient_accumulator import _validation
-from gradient_accumulator._engine import REDUCTIONS
 from gradient_accumulator.torch._guards import refuse_outer_accumulation
 from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
-    EXCLUSIVE_CLIPPING,
     HOOK_DICTS,
     AccumulationState,
     check_leftover,
     check_max_norm,
     check_options,
     check_policy,
+    checked,
     inner_attribute,
 )
 from gradient_accumulator.torch._proxy import (
@@ -209,7 +208,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @accum_steps.setter
     def accum_steps(self, value: int) -> None:
-        self._loop.cycle.set_accum_steps(_validation.check_accum_steps(value))
+        self._loop.cycle.set_accum_steps(checked("accum_steps")(self, value))
 
     @property
     def reduction(self) -> str:
@@ -218,11 +217,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @reduction.setter
     def reduction(self, value: str) -> None:
-        value = _validation.check_choice(value, "reduction", REDUCTIONS)
-        cycle = self._loop.cycle
-        if value == "running_mean" and self._loop.views is not None and cycle.micro_step == 0:
-            raise ValueError("gradient_as_view needs reduction='mean' or 'sum'")
-        cycle.set_reduction(value)
+        self._loop.cycle.set_reduction(checked("reduction")(self, value))
 
     @property
     def clip_factor(self) -> float:
@@ -231,7 +226,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @clip_factor.setter
     def clip_factor(self, value: float) -> None:
-        self._loop.configure(clip_factor=_validation.check_positive(value, "clip_factor"))
+        self._loop.configure(clip_factor=checked("clip_factor")(self, value))
 
     @property
     def eps(self) -> float:
@@ -240,7 +235,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @eps.setter
     def eps(self, value: float) -> None:
-        self._loop.configure(eps=_validation.check_positive(value, "eps", allow_zero=True))
+        self._loop.configure(eps=checked("eps")(self, value))
 
     @property
     def grad_scaler(self) -> Any:
@@ -306,10 +301,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @use_agc.setter
     def use_agc(self, value: bool) -> None:
-        value = _validation.check_bool(value, "use_agc")
-        if value and self.max_grad_norm is not None:
-            raise ValueError(EXCLUSIVE_CLIPPING)
-        self._loop.configure(use_agc=value)
+        self._loop.configure(use_agc=checked("use_agc")(self, value))
 
     # ---- the inner optimizer's state, always its current objects ----
 

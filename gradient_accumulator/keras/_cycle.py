@@ -1,0 +1,188 @@
+"""The Keras wrapper's accumulation arithmetic as functions of values, in backend ops.
+
+:func:`fold` takes the cycle's state and one micro-batch's gradients and returns the next state;
+it is the fold of every path: the stateful one (TensorFlow, eager PyTorch without the core)
+writes the returned values into the optimizer's variables, the functional one (JAX) passes
+them on. The other functions are the pieces of the boundary both paths share (the gradient's
+scale, the loss scale's growth, which variables an update touches). Nothing here reads or
+writes a variable; the options come in as the wrapper's record
+(:class:`gradient_accumulator._options.Options`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+from keras import ops
+
+from gradient_accumulator._options import Options
+from gradient_accumulator.keras._compat import to_numpy
+
+__all__ = [
+    "FoldState",
+    "all_finite",
+    "concrete",
+    "dense",
+    "fold",
+    "grad_scale",
+    "grown_scale",
+    "on_choice",
+    "seen_choice",
+    "traced",
+]
+
+_BACKEND = keras.backend.backend()
+
+
+class FoldState(NamedTuple):
+    """What a micro-step changes: the accumulators, the seen flags (one per variable: had a
+    gradient in this cycle), the cycle's total weight, its non-finite flag (with mixed
+    precision), the micro-step in the cycle and the micro-steps seen so far."""
+
+    accs: list[Any]
+    seen: Any
+    total_weight: Any
+    nonfinite: Any
+    micro_step: Any
+    iterations: Any
+
+
+def traced(value: Any) -> bool:
+    """Whether this code runs traced or compiled (``value``: a tensor of the call, for JAX)."""
+    if _BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.executing_eagerly()
+    if _BACKEND == "jax":
+        import jax
+
+        return isinstance(value, jax.core.Tracer)
+    if _BACKEND == "torch":
+        import torch
+
+        return torch.compiler.is_compiling()
+    return False
+
+
+def concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
+    return None if traced(value) else to_numpy(value)
+
+
+def dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+    """The gradients in float32, zeros for a variable without one (None)."""
+    out = []
+    for g, v in zip(grads, variables):
+        if g is None:
+            out.append(ops.zeros(v.shape, "float32"))
+        else:
+            out.append(ops.cast(ops.convert_to_tensor(g), "float32"))
+    return out
+
+
+def all_finite(grads: list[Any]) -> Any:
+    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+
+
+def _fold_accs(
+    accs: list[Any], grads: list[Any], first: Any, w: Any, w_before: Any, reduction: str
+) -> list:
+    """New accumulator values after folding in one micro-batch (first: overwrite)."""
+    if reduction == "running_mean":
+        total = ops.maximum(w_before + w, 1e-30)
+        keep, take = w_before / total, w / total
+        return [ops.where(first, g, a * keep + g * take) for a, g in zip(accs, grads)]
+    if reduction == "sum":
+        return [ops.where(first, g, a + g) for a, g in zip(accs, grads)]
+    return [ops.where(first, g * w, a + g * w) for a, g in zip(accs, grads)]
+
+
+def _seen_after(seen: Any, present: Sequence[bool], first: Any) -> Any:
+    """The seen flags after a micro-step in which ``present`` variables have a gradient."""
+    mask = ops.convert_to_tensor(np.asarray(present, "float32"))
+    return ops.where(first, mask, ops.maximum(seen, mask))
+
+
+def fold(
+    state: FoldState,
+    grads: list[Any],
+    batch_weight: Any,
+    options: Options,
+    present: Sequence[bool],
+) -> FoldState:
+    """The state after one micro-batch: ``grads`` (dense, float32) of weight ``batch_weight``
+    (ignored under ``"sum"``) folded in; ``present`` says which variables had a gradient."""
+    first = ops.equal(state.micro_step, 0)
+    w = 1.0 if options.reduction == "sum" else ops.cast(batch_weight, "float32")
+    w_before = ops.where(first, 0.0, state.total_weight)
+    nonfinite = state.nonfinite
+    if options.mixed_precision:
+        bad = ops.cast(ops.logical_not(all_finite(grads)), "float32")
+        nonfinite = ops.maximum(ops.where(first, 0.0, state.nonfinite), bad)
+    return FoldState(
+        accs=_fold_accs(state.accs, grads, first, w, w_before, options.reduction),
+        seen=_seen_after(state.seen, present, first),
+        total_weight=ops.cast(w_before + w, "float32"),
+        nonfinite=nonfinite,
+        micro_step=state.micro_step + 1,
+        iterations=state.iterations + 1,
+    )
+
+
+def grad_scale(
+    total_weight: Any, loss_scale: Any, options: Options, static_scale: float | None
+) -> Any:
+    """The factor turning the accumulators into the cycle's gradient: 1/total weight under
+    ``"mean"``, 1/loss scale under ``mixed_precision``, 1/the inner optimizer's static factor."""
+    scale = ops.convert_to_tensor(1.0, "float32")
+    if options.reduction == "mean":
+        scale = scale / ops.maximum(ops.cast(total_weight, "float32"), 1e-30)
+    if options.mixed_precision:
+        scale = scale / ops.cast(loss_scale, "float32")
+    if static_scale is not None:
+        scale = scale / float(static_scale)
+    return scale
+
+
+def grown_scale(loss_scale: Any, growth: Any, options: Options) -> tuple[Any, Any]:
+    """Loss scale and growth counter after one good update."""
+    grow = ops.greater_equal(growth + 1, options.dynamic_growth_steps)
+    return (
+        ops.where(grow, loss_scale * 2.0, loss_scale),
+        ops.where(grow, ops.zeros_like(growth), growth + 1),
+    )
+
+
+def seen_choice(seen: Any, present: Sequence[bool]) -> tuple[Any, list[int], list[int]]:
+    """``(pred, if_true, if_false)``: the indices of the variables the boundary updates.
+
+    Those with a gradient in the cycle (``seen``, after the current micro-step); a variable
+    without any is left alone, optimizer state included. On concrete values the choice is
+    exact and static. In a traced function only the variables absent from the traced call
+    (``present`` False, a trace-time fact) can be unseen: they are updated as a group if any
+    of them had a gradient earlier in the cycle (from another traced function), else left
+    out. (So only a cycle mixing functions with different missing gradients can update an
+    unseen variable, with a zero gradient.)
+    """
+    everything = list(range(len(present)))
+    if all(present):  # every variable has a gradient now: nothing to read
+        return True, everything, everything
+    values = concrete(seen)
+    if values is not None:
+        keep = [i for i in everything if values[i] > 0]
+        return True, keep, keep
+    absent = [i for i in everything if not present[i]]
+    others = [i for i in everything if present[i]]
+    pred = ops.any(ops.greater(ops.take(seen, np.asarray(absent, "int32")), 0.0))
+    return pred, everything, others
+
+
+def on_choice(choice: tuple[Any, list[int], list[int]], update: Callable[[list[int]], Any]) -> Any:
+    """``update(indices)`` for the variables ``choice`` (from :func:`seen_choice`) picks."""
+    pred, if_true, if_false = choice
+    if isinstance(pred, bool):
+        return update(if_true if pred else if_false)
+    return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
