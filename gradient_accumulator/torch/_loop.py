@@ -353,15 +353,23 @@ class Loop:
         saved.update(reduction=cycle.reduction, **cycle.state())
         saved.update(updates=self.updates, growth_tracker=self.scaler.growth_tracker)
         views = self.views
-        saved["accumulators"] = self.flat.clone() if views is None else views.saved(self.flat)
-        if self.fsdp is not None:  # this rank's total weight of the cycle so far
-            saved["rank_weight"] = self.fsdp.weight
+        if self.fsdp is not None:  # sharded: DTensors, the ranks' weights gathered
+            saved.update(self.fsdp.save(self.params, cycle.accs, cycle.nonfinite))
+            self.fsdp.fill_state(self.optimizer, self.update.kind)
+        else:
+            saved["accumulators"] = self.flat.clone() if views is None else views.saved(self.flat)
         return saved
 
     def load(self, state_dict: dict[str, Any]) -> None:
         """Check everything, then load the inner optimizer's state and the accumulation."""
         self.refuse_in_flight("load_state_dict()")
         cycle = self.cycle
+        weight = 0.0
+        if self.fsdp is not None and isinstance(state_dict, dict):
+            acc = state_dict.get("accumulation")
+            if isinstance(acc, dict):
+                acc, weight = self.fsdp.loaded(acc, self.params, self.flat, cycle.accs)
+                state_dict = dict(state_dict, accumulation=acc)
         _params.check_saved(
             state_dict,
             layout=self.layout,
@@ -376,7 +384,7 @@ class Loop:
         self.flat.copy_(acc["accumulators"])
         cycle.load_state(acc)
         if self.fsdp is not None:
-            self.fsdp.weight = float(acc.get("rank_weight", 0.0))
+            self.fsdp.weight = weight
         if self.views is not None:
             self.views.after_load(cycle.micro_step, cycle.named_weight)
         self.updates = int(acc["updates"])

@@ -353,3 +353,93 @@ class FsdpSharding:
         total = reduced[-1] / self.replicas
         cycle.sumsq = total
         return total
+
+    # ---- checkpoints (torch.distributed.checkpoint) ----
+
+    def fill_state(self, optimizer: torch.optim.Optimizer, kind: str | None) -> None:
+        """Create the fused update's optimizer state where it does not exist yet, as the first
+        update would (Adam: step 0, zero moments; SGD with momentum and no dampening: a zero
+        buffer, which the first update then treats exactly as torch's first step does), so that
+        every checkpoint has the same entries: torch.distributed.checkpoint loads into a state
+        dict of the same structure."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state[p]
+                if kind == "adam" and len(st) == 0:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif (
+                    kind == "sgd"
+                    and float(group["momentum"]) != 0
+                    and float(group["dampening"]) == 0
+                    and st.get("momentum_buffer") is None
+                ):
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def save(self, params: Sequence[Any], accs: Sequence[torch.Tensor], nonfinite: bool) -> dict:
+        """This rank's part of the ``"accumulation"`` entry, in a form that
+        torch.distributed.checkpoint saves and reshards: each accumulator as a DTensor laid out
+        like its parameter, and the values that differ between ranks gathered (every rank then
+        holds the same: the checkpoint keeps one copy)."""
+        from torch.distributed.tensor import DTensor
+
+        saved = [
+            DTensor.from_local(
+                a.clone(),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            for p, a in zip(params, accs)
+        ]
+        t = torch.zeros(2 * dist.get_world_size(), dtype=torch.float64, device=self.device)
+        rank = dist.get_rank()
+        t[rank], t[dist.get_world_size() + rank] = self.weight, float(nonfinite)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        values = t.tolist()
+        n = dist.get_world_size()
+        return {
+            "accumulators": saved,
+            "rank_weights": values[:n],
+            "nonfinite": any(v > 0 for v in values[n:]),
+        }
+
+    def loaded(self, acc: dict, params: Sequence[Any], flat: torch.Tensor, accs: Sequence[Any]):
+        """``acc`` with its accumulators as this rank's flat buffer (what the checks and the
+        load of a single process take), and this rank's weight of the cycle.
+
+        Raises:
+            ValueError: the accumulators are not one DTensor per parameter of its shape.
+        """
+        saved = acc.get("accumulators")
+        if not (
+            isinstance(saved, (list, tuple))
+            and len(saved) == len(params)
+            and all(is_dtensor(d) and d.shape == p.shape for d, p in zip(saved, params))
+        ):
+            raise ValueError(
+                "state_dict's accumulators are not the sharded ones of this FSDP2 model (one "
+                "DTensor per parameter, of its shape)"
+            )
+        out = flat.clone()
+        for d, a in zip(saved, accs):
+            shard = local(d)
+            if shard.shape != a.shape:
+                raise ValueError(
+                    "state_dict's accumulators are sharded differently from the parameters"
+                )
+            start = a.storage_offset() - flat.storage_offset()
+            out[start : start + a.numel()].view_as(a).copy_(shard)
+        acc = dict(acc, accumulators=out)
+        weights = acc.get("rank_weights")
+        if not isinstance(weights, (list, tuple)):
+            raise ValueError("state_dict['accumulation'] lacks 'rank_weights' (not sharded)")
+        n, rank = dist.get_world_size(), dist.get_rank()
+        if len(weights) == n:
+            weight = float(weights[rank])
+        else:  # another number of ranks: only the sum over the ranks counts at the boundary
+            weight = float(sum(weights)) if rank == 0 else 0.0
+        return acc, weight

@@ -380,7 +380,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         ``"layout"`` is a fingerprint of the parameters' shapes, dtypes and groups, checked by
         :meth:`load_state_dict`.
         """
-        return {"optimizer": self.optimizer.state_dict(), "accumulation": self._loop.save()}
+        accumulation = self._loop.save()
+        return {"optimizer": self.optimizer.state_dict(), "accumulation": accumulation}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (mid-cycle included).
