@@ -137,6 +137,46 @@ def _own_recipe(rank: int, world: int, mp, kind: str = "adamw") -> dict:
     return _full(model)
 
 
+def _refusals() -> list[str]:
+    """What the wrapper refuses for an FSDP2 model, each with the message naming the fix;
+    returns the messages (checked by the test)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    out = []
+    model = _net()
+    _shard(model)
+    with pytest.raises(ValueError, match="pass model=") as e:
+        GradientAccumulateOptimizer(_inner("sgd", model.parameters()), K)
+    out.append(str(e.value))
+    with pytest.raises(ValueError, match="running_mean") as e:
+        GradientAccumulateOptimizer(
+            _inner("sgd", model.parameters()), K, "running_mean", model=model
+        )
+    out.append(str(e.value))
+    # A weight given to step() only comes too late for FSDP2's reduction: refused, the
+    # micro-batch uncounted and its gradient left in place.
+    opt = GradientAccumulateOptimizer(_inner("sgd", model.parameters()), K, model=model)
+    x, y = _data()
+    F.mse_loss(model(x[:4]), y[:4]).backward()
+    with pytest.raises(ValueError, match="expect_weight") as e:
+        opt.step(weight=4)
+    assert opt.micro_step == 0 and all(p.grad is not None for p in model.parameters())
+    out.append(str(e.value))
+    opt.step()  # weight 1, as the reduction had it
+    assert opt.micro_step == 1
+    # AGC's units (rows) of a parameter sharded on dimension 1 span ranks.
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    fully_shard(model[0], shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    fully_shard(model)
+    with pytest.raises(ValueError, match="agc_exclude") as e:
+        GradientAccumulateOptimizer(
+            _inner("sgd", model.parameters()), K, model=model, use_agc=True, agc_exclude=()
+        )
+    out.append(str(e.value))
+    return out
+
+
 def _resume(rank: int, world: int, out_dir: str) -> bool:
     """Save a torch.distributed.checkpoint mid-cycle, go on; load it into a new model and
     optimizer and go on from there: the same weights, bit for bit."""
@@ -211,6 +251,7 @@ def _worker(rank: int, port: int, out_dir: str, world: int) -> None:
             results["bf16_compute"] = _error(_train(rank, world, "sgd", {}, mp=mp), ref)
             results["bf16_own_recipe"] = _error(_own_recipe(rank, world, mp, "sgd"), ref)
             results["resume_bitwise"] = _resume(rank, world, out_dir)
+            results["refusals"] = _refusals()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
 
@@ -229,4 +270,5 @@ def test_fsdp2_matches_big_batch(world, tmp_path):
         else:
             assert res["bf16_compute"] <= BF16_TOL, res
             assert res["resume_bitwise"] is True
+            assert len(res["refusals"]) == 4
     print({k: v for k, v in results[0].items()})
