@@ -191,6 +191,8 @@ class Loop:
         weight = cycle.micro_weight(weight)
         # FSDP2's reduce-scatter already multiplied each rank's gradient by its weight.
         fold_weight = weight
+        if self.fsdp is not None:
+            self.fsdp.check_sync()
         if self.fsdp is not None and self.fsdp.weighted_by_reduction:
             fold_weight = self.fsdp.fold_weight(weight, cycle.named_weight)
         local = self.locals()

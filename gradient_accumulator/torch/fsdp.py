@@ -227,6 +227,7 @@ class FsdpSharding:
             self.group = mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group()
         device = local(params[0]).device
         check_ranks_agree(self.group, settings, device)
+        self.groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
         self.comm = _WeightedReduceScatter(weight) if self.shards > 1 else None
         if self.comm is not None:
             for m in modules:
@@ -241,6 +242,19 @@ class FsdpSharding:
         """Whether FSDP2's reduction already multiplies the gradients by their weight (a
         micro-step then folds its shard with weight 1 and counts its weight here)."""
         return self.comm is not None
+
+    def check_sync(self) -> None:
+        """Refuse a micro-step whose gradients FSDP2 kept unreduced
+        (``set_requires_gradient_sync(False)``): it sums them without their weights.
+
+        Raises:
+            ValueError: nothing changed.
+        """
+        if any(not g.reduce_grads for g in self.groups):
+            raise ValueError(
+                "gradient sync is off on the FSDP2 model (set_requires_gradient_sync(False)); "
+                "the wrapper accumulates FSDP2's reduced gradient shards: leave gradient sync on"
+            )
 
     def fold_weight(self, weight: float, named: float | None) -> float:
         """The weight a micro-step's gradient shard is folded in with: 1, as FSDP2's reduction

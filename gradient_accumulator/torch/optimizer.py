@@ -95,7 +95,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             skipped silently and the scale lowered, whatever this says.
         model: the module the parameters come from (optional). Errors then name parameters
             by their names in it, and :meth:`flush` also flushes its ``AccumBatchNorm*d``
-            layers (without it, those whose affine weight this optimizer holds).
+            layers (without it, those whose affine weight this optimizer holds). Required for
+            a model sharded by FSDP2 (``fully_shard``): the accumulators and the update then
+            work on each rank's shard, and each micro-batch's weight (named before its
+            backward) enters FSDP2's reduce-scatter, so that the ranks are weighted exactly.
         gradient_as_view: make each fp32 parameter's ``.grad`` a view of its accumulator, so
             autograd adds every micro-batch's gradient into it in place and ``step()`` makes no
             pass over the gradients (as DDP's ``gradient_as_bucket_view``). A micro-batch's
@@ -229,6 +232,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
                 )
             if value == "running_mean" and self._loop.views is not None:
                 raise ValueError("gradient_as_view needs reduction='mean' or 'sum'")
+            if value == "running_mean" and self._loop.sharded:
+                raise ValueError("a model sharded by FSDP2 needs reduction='mean' or 'sum'")
         cycle.reduction = value
 
     @property

@@ -165,6 +165,13 @@ def _refusals() -> list[str]:
     out.append(str(e.value))
     opt.step()  # weight 1, as the reduction had it
     assert opt.micro_step == 1
+    # FSDP2's own accumulation without sync sums unweighted, unreduced gradients: refused.
+    model.set_requires_gradient_sync(False)
+    F.mse_loss(model(x[:4]), y[:4]).backward()
+    with pytest.raises(ValueError, match="set_requires_gradient_sync") as e:
+        opt.step()
+    assert opt.micro_step == 1
+    out.append(str(e.value))
     # AGC's units (rows) of a parameter sharded on dimension 1 span ranks.
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
     fully_shard(model[0], shard_placement_fn=lambda p: Shard(p.dim() - 1))
@@ -175,6 +182,31 @@ def _refusals() -> list[str]:
         )
     out.append(str(e.value))
     return out
+
+
+def _nonfinite_agreed(rank: int) -> bool:
+    """An Inf in one rank's gradient shard only (rank 1's shard of the first weight): every rank
+    skips the cycle, and the next cycle updates everywhere."""
+    import warnings
+
+    model, opt = _build("adamw", {})
+    x, y = _data()
+    before = _full(model)
+    skipped = []
+    for c in range(2):
+        for j in range(K):
+            idx = torch.arange(8 * (c * K + j), 8 * (c * K + j) + 8)
+            F.mse_loss(model(x[idx]), y[idx]).backward()
+            if c == 0 and j == 1 and rank == 1:
+                next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+            opt.zero_grad()
+        skipped.append(not opt.update_applied)
+        if c == 0:
+            unchanged = all(torch.equal(before[n], v) for n, v in _full(model).items())
+    return skipped == [True, False] and unchanged
 
 
 def _resume(rank: int, world: int, out_dir: str) -> bool:
@@ -252,6 +284,7 @@ def _worker(rank: int, port: int, out_dir: str, world: int) -> None:
             results["bf16_own_recipe"] = _error(_own_recipe(rank, world, mp, "sgd"), ref)
             results["resume_bitwise"] = _resume(rank, world, out_dir)
             results["refusals"] = _refusals()
+            results["nonfinite_agreed"] = _nonfinite_agreed(rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
 
@@ -270,5 +303,6 @@ def test_fsdp2_matches_big_batch(world, tmp_path):
         else:
             assert res["bf16_compute"] <= BF16_TOL, res
             assert res["resume_bitwise"] is True
-            assert len(res["refusals"]) == 4
+            assert len(res["refusals"]) == 5
+            assert res["nonfinite_agreed"] is True
     print({k: v for k, v in results[0].items()})
