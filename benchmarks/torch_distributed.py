@@ -45,8 +45,24 @@ Timing: each rank runs torch.set_num_threads(1) (the ranks share the machine's c
 cycle's time is the slowest rank's (k forwards + backwards + optimizer steps), and the figure
 is the median over the timed cycles after warm-up cycles.
 
+FSDP2 (``--fsdp2``): the same MLP sharded with ``fully_shard`` (each Linear, then the root),
+AdamW, k micro-batches per step, two strategies side by side:
+
+* fsdp2 loss/k:            FSDP2's own recipe: each loss divided by k, FSDP2 reduce-scatters every
+                           micro-batch and accumulates the sharded gradients, torch AdamW steps
+                           once per cycle;
+* fsdp2 + GA:              ``GradientAccumulateOptimizer(AdamW, k, model=model)``: FSDP2's
+                           reduce-scatter (weighted) every micro-batch, the shards folded into
+                           the fp32 accumulators, the fused update on each rank's shard.
+
+It prints the time per cycle (median, slowest rank), the bytes each rank holds between
+micro-batches for the accumulated gradient (ours: the flat fp32 accumulator buffer; FSDP2's: the
+sharded fp32 ``.grad``) against 4 × parameters ÷ world, and the weights' difference after a few
+cycles (the two must agree to 1e-5).
+
 Usage:
     python benchmarks/torch_distributed.py                 # world sizes 2 and 4, ~4.2M params
+    python benchmarks/torch_distributed.py --fsdp2         # FSDP2: ours against loss/k
     python benchmarks/torch_distributed.py --small         # small model, few cycles (smoke test)
     python benchmarks/torch_distributed.py --cycles 20 --json results.json
 """
@@ -412,13 +428,169 @@ def worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
+# ---- FSDP2 ----
+
+FSDP2_STRATEGIES = [("fsdp2_own", "fsdp2 loss/k"), ("fsdp2_ga", "fsdp2 + GA")]
+
+
+class Fsdp2Strategy:
+    """One FSDP2-sharded copy of the model and its optimizer, trained a cycle at a time."""
+
+    def __init__(self, name: str, init: dict, model: dict) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        net = make_net(**model)
+        net.load_state_dict(init)
+        for m in net:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        fully_shard(net)
+        self.name, self.net = name, net
+        inner = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+        self.opt: Any = inner
+        if name == "fsdp2_ga":
+            self.opt = GradientAccumulateOptimizer(inner, K, model=net)
+
+    def cycle(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        for j in range(K):
+            loss = F.mse_loss(self.net(xs[j]), ys[j])
+            if self.name == "fsdp2_ga":
+                loss.backward()
+                self.opt.step()
+                self.opt.zero_grad()
+            else:
+                (loss / K).backward()
+        if self.name != "fsdp2_ga":
+            self.opt.step()
+            self.opt.zero_grad()
+
+    def held_bytes(self) -> int:
+        """Bytes this rank holds for the accumulated gradient between micro-batches."""
+        if self.name == "fsdp2_ga":
+            return self.opt._loop.flat.numel() * self.opt._loop.flat.element_size()
+        return sum(
+            p.grad.to_local().numel() * 4 for p in self.net.parameters() if p.grad is not None
+        )
+
+    def full(self) -> dict:
+        return {n: p.full_tensor().detach() for n, p in self.net.named_parameters()}
+
+
+def fsdp2_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> None:
+    faulthandler.enable()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if os.path.isdir("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    try:
+        torch.manual_seed(0)
+        init = {k: v.clone() for k, v in make_net(**cfg["model"]).state_dict().items()}
+        n = cfg["warmup"] + cfg["cycles"]
+        x, y = make_data(rank, max(n, COUNT_WARMUP + COUNT_CYCLES), **cfg["model"])
+        # Weight check and held bytes (mid-cycle: after K - 1 micro-batches), fresh copies.
+        check = [Fsdp2Strategy(name, init, cfg["model"]) for name, _ in FSDP2_STRATEGIES]
+        held = {}
+        for c in range(COUNT_WARMUP + COUNT_CYCLES):
+            for s in check:
+                s.cycle(x[c], y[c])
+        for s in check:
+            for j in range(K - 1):  # a partial cycle: what is held between micro-batches
+                loss = F.mse_loss(s.net(x[0][j]), y[0][j])
+                (loss if s.name == "fsdp2_ga" else loss / K).backward()
+                if s.name == "fsdp2_ga":
+                    s.opt.step()
+                    s.opt.zero_grad()
+            held[s.name] = s.held_bytes()
+        ref = check[0].full()
+        got = check[1].full()
+        wmax = max(v.abs().max().item() for v in ref.values())
+        err = max((got[k] - ref[k]).abs().max().item() for k in ref) / wmax
+        del check
+        gc.collect()
+        strategies = [Fsdp2Strategy(name, init, cfg["model"]) for name, _ in FSDP2_STRATEGIES]
+        times = torch.zeros(len(strategies), n, dtype=torch.float64)
+        for c in range(n):
+            for i, s in enumerate(strategies):
+                dist.barrier()
+                t0 = time.perf_counter()
+                s.cycle(x[c], y[c])
+                times[i, c] = time.perf_counter() - t0
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        held_t = torch.tensor([float(held[name]) for name, _ in FSDP2_STRATEGIES])
+        dist.all_reduce(held_t, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            out = dict(
+                times={
+                    s.name: times[i, cfg["warmup"] :].tolist() for i, s in enumerate(strategies)
+                },
+                held={name: held_t[i].item() for i, (name, _) in enumerate(FSDP2_STRATEGIES)},
+                err=err,
+            )
+            with open(out_path + ".tmp", "w") as f:
+                json.dump(out, f)
+            os.replace(out_path + ".tmp", out_path)
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def run_fsdp2(worlds: list[int], cfg: dict, n_params: int) -> list[dict]:
+    """FSDP2 rows: ms per cycle, held bytes per rank against 4 × params ÷ world + 1 MiB."""
+    rows = []
+    for world in worlds:
+        print(f"running FSDP2, world size {world} ...", flush=True)
+        res = run_world(world, cfg, target=fsdp2_worker)
+        ours = statistics.median(res["times"]["fsdp2_ga"]) * 1e3
+        bound = 4 * n_params / world + 2**20
+        for name, label in FSDP2_STRATEGIES:
+            ms = statistics.median(res["times"][name]) * 1e3
+            rows.append(
+                dict(
+                    world=world,
+                    strategy=name,
+                    label=label,
+                    ms_per_cycle=ms,
+                    vs_ours=ms / ours,
+                    held_bytes=res["held"][name],
+                    bound_bytes=bound,
+                    err_vs_own=res["err"],
+                )
+            )
+    print()
+    head = (
+        f"{'world':>5} {'strategy':<16} {'ms/cycle':>9} {'vs ours':>7} {'held MiB/rank':>13} "
+        f"{'4P/W+1MiB':>10} {'Δw':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        mark = "*" if r["strategy"] == "fsdp2_ga" else " "
+        print(
+            f"{r['world']:>5} {mark}{r['label']:<15} {r['ms_per_cycle']:>9.1f} "
+            f"{r['vs_ours']:>6.2f}x {r['held_bytes'] / 2**20:>13.3f} "
+            f"{r['bound_bytes'] / 2**20:>10.3f} {r['err_vs_own']:>8.1e}"
+        )
+    print(
+        "\n* = ours; 'vs ours' = ms / ours (> 1: ours is faster); held: bytes each rank holds "
+        "for the accumulated gradient between micro-batches (max over ranks); Δw: max|w_ours - "
+        "w_loss/k| / max|w| after "
+        f"{COUNT_WARMUP + COUNT_CYCLES} cycles"
+    )
+    return rows
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_world(world: int, cfg: dict) -> dict:
+def run_world(world: int, cfg: dict, target: Callable[..., None] | None = None) -> dict:
     """Spawns the ranks; rank 0 leaves the results in a file.
 
     A rank that fails before the results are written stops the others (they would otherwise
@@ -429,7 +601,8 @@ def run_world(world: int, cfg: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, world, cfg, port, path)) for r in range(world)]
+        target = worker if target is None else target
+        procs = [ctx.Process(target=target, args=(r, world, cfg, port, path)) for r in range(world)]
         for p in procs:
             p.start()
         running = list(procs)
@@ -499,6 +672,7 @@ def main() -> None:
         help="bucket cap (MiB) of DDP and of the package alike",
     )
     ap.add_argument("--json", metavar="PATH", help="write machine info and results here")
+    ap.add_argument("--fsdp2", action="store_true", help="FSDP2 (fully_shard): ours against loss/k")
     args = ap.parse_args()
 
     model = "small" if args.small else "full"
@@ -516,6 +690,26 @@ def main() -> None:
         f"fp32); AdamW lr {LR}, k={K} micro-batches per step; bucket cap "
         f"{args.bucket_cap_mb:g} MiB; {cfg['warmup']} warm-up + {cfg['cycles']} timed cycles"
     )
+
+    if args.fsdp2:
+        t0 = time.perf_counter()
+        rows = run_fsdp2(args.worlds, cfg, n_params)
+        bad = [
+            r
+            for r in rows
+            if r["err_vs_own"] > TOL
+            or (r["strategy"] == "fsdp2_ga" and r["held_bytes"] > r["bound_bytes"])
+        ]
+        print(
+            "check FAILED: " + str(bad)
+            if bad
+            else f"check passed: Δw ≤ {TOL:g}; ours holds ≤ 4 × params ÷ world + 1 MiB per rank"
+        )
+        print(f"total benchmark time {time.perf_counter() - t0:.0f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(machine=info, config=cfg, parameters=n_params, results=rows), f)
+        return
 
     rows: list[dict] = []
     failures: list[str] = []

@@ -239,6 +239,11 @@ class Cycle:
         self._seen = [bool(s) for s in seen]
         self._sumsq = None
 
+    def mark_nonfinite(self) -> None:
+        """A check made outside the cycle (a norm summed over shards) found its result
+        non-finite."""
+        self._nonfinite = True
+
     def check_total_weight(self) -> None:
         """A total weight that overflowed to inf makes the cycle non-finite."""
         if not math.isfinite(self._total_weight):

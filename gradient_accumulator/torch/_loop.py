@@ -15,7 +15,7 @@ import torch
 
 from gradient_accumulator._engine import REDUCTIONS, Cycle, SplitFold, clip_coef, grad_scale
 from gradient_accumulator.nonfinite import NonFiniteCounter
-from gradient_accumulator.torch import _params
+from gradient_accumulator.torch import _params, fsdp
 from gradient_accumulator.torch._guards import held_interrupts
 from gradient_accumulator.torch._options import Options
 from gradient_accumulator.torch._update import InnerUpdate, LossScale
@@ -67,47 +67,62 @@ class Loop:
         )
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.names = _params.parameter_names(optimizer, model)
-        _params.check_parameters(self.params, self.names)
+        # FSDP2 (DTensor parameters): accumulators and update on each rank's local shard.
+        self.sharded = any(fsdp.is_dtensor(p) for p in self.params)
+        if self.sharded:
+            fsdp.check_options(process_group, o)
+        local = self.locals()
+        _params.check_parameters(local, self.names)
         # Each parameter's memory layout (None: C-contiguous), which its accumulator copies.
-        self.strides = _params.strides(self.params)
+        self.strides = _params.strides(local)
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.scaler = LossScale(grad_scaler, self.params[0].device)
+        self.scaler = LossScale(grad_scaler, local[0].device)
         self.distributed, group = (
             (False, None) if process_group is False else resolve_group(process_group)
         )
+        self.distributed |= self.sharded
         # The tail's scalars travel with the last bucket: the weight, the non-finite flag, the
         # ranks' agreement and the seen flags.
         self.flat, plan, tail, accs = _params.accumulator_buffer(
-            self.params, o.bucket_cap_mb, SCALAR_SLOTS
+            local, o.bucket_cap_mb, SCALAR_SLOTS
         )
         # On CUDA the core raises a device flag for non-finite gradients instead of returning a
         # Python bool, so micro-steps never wait for the GPU; the flag is read once per cycle.
-        device = self.params[0].device
+        device = local[0].device
         flag = (
             torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
         )
         self.cycle = Cycle(accs, o.accum_steps, o.reduction, device_flag=flag)
         self.agc_exclude = agc_exclude
         agc_skip = _params.agc_excluded(self.params, agc_exclude) if o.use_agc else None
-        _params.check_agc_layout(self.params, self.names, agc_skip)
+        _params.check_agc_layout(local, self.names, agc_skip)
         self.update = InnerUpdate(
             optimizer,
             self.params,
             accs,
+            local=fsdp.local if self.sharded else None,
             agc_skip=agc_skip,
             clip_factor=o.clip_factor,
             eps=o.eps,
         )
-        self.layout = _params.layout_fingerprint(optimizer, self.flat.numel())
+        # Under FSDP2 the global shapes (every rank's shard differs).
+        numel = sum(p.numel() for p in self.params) if self.sharded else self.flat.numel()
+        self.layout = _params.layout_fingerprint(optimizer, numel)
         self.across_ranks: CycleReduction | None = None
         self.hooks: list[Any] = []
-        if self.distributed:
-            agree = {
-                "accum_steps": o.accum_steps,
-                "reduction": REDUCTIONS.index(o.reduction),
-                "number of parameters": len(self.params),
-                "overlap_reduce": int(o.overlap_reduce),
-            }
+        agree = {
+            "accum_steps": o.accum_steps,
+            "reduction": REDUCTIONS.index(o.reduction),
+            "number of parameters": len(self.params),
+            "overlap_reduce": int(o.overlap_reduce),
+        }
+        self.fsdp: fsdp.FsdpSharding | None = None
+        if self.sharded:
+            agree["layout fingerprint"] = int(self.layout[:12], 16)
+            self.fsdp = fsdp.FsdpSharding(
+                self.params, self.names, model, self.cycle.hook_weight, agc_skip, agree
+            )
+        elif self.distributed:
             self.across_ranks = CycleReduction(
                 self.flat, plan, group, o.reduce_timeout, tail, self.layout, agree
             )
@@ -127,6 +142,10 @@ class Loop:
         # A copy (pickle, deepcopy) holds new parameter objects: the id-keyed index is rebuilt.
         self.__dict__.update(state)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+
+    def locals(self) -> list[torch.Tensor]:
+        """The parameters as the core takes them: each rank's local shard under FSDP2."""
+        return [fsdp.local(p) for p in self.params] if self.sharded else self.params
 
     @property
     def reducer(self) -> Any:
@@ -207,13 +226,22 @@ class Loop:
         """Fold the parameters' ``.grad`` in with ``weight``; update at the cycle's end."""
         cycle, views = self.cycle, self.views
         weight = cycle.micro_weight(weight)
-        if cycle.boundary_next and not _params.same_layouts(self.params, self.strides):
+        # FSDP2's reduce-scatter already multiplied each rank's gradient by its weight.
+        fold_weight = weight
+        if self.fsdp is not None:
+            self.fsdp.check_sync()
+        if self.fsdp is not None and self.fsdp.weighted_by_reduction:
+            fold_weight = self.fsdp.fold_weight(weight, cycle.named_weight)
+        local = self.locals()
+        if cycle.boundary_next and not _params.same_layouts(local, self.strides):
             # A parameter converted since construction (e.g. model.to(memory_format=...)):
             # refuse before this micro-batch is folded in, naming it.
-            _params.check_layout(self.params, self.names, self.strides)
+            _params.check_layout(local, self.names, self.strides)
         if views is not None:
             views.settle_check(weight, self.names.__getitem__)
-        if views is None:
+        if self.sharded:
+            grads = [fsdp.local(p.grad) for p in self.params]
+        elif views is None:
             grads = [p.grad for p in self.params]
         else:
             grads = [None if views.holds(i) else p.grad for i, p in enumerate(self.params)]
@@ -225,14 +253,18 @@ class Loop:
             try:
                 # The gradients as autograd left them: the core reads each one laid out like its
                 # accumulator through torch's accessors, and refuses anything else unwritten.
-                cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held, single_call=True)
+                cycle.fold(
+                    grads, fold_weight, norm=norm and not cycle.cuda, held=held, single_call=True
+                )
             except (SplitFold, ValueError, TypeError, RuntimeError):
                 # Checked one by one, named, converted where they can be; then folded.
                 grads = [
                     None if g is None else _params.dense_grad(g, p, self.names[i])
-                    for i, (p, g) in enumerate(zip(self.params, grads))
+                    for i, (p, g) in enumerate(zip(local, grads))
                 ]
-                cycle.fold(grads, weight, norm=norm and not cycle.cuda, held=held)
+                cycle.fold(grads, fold_weight, norm=norm and not cycle.cuda, held=held)
+            if self.fsdp is not None:
+                self.fsdp.weight += weight
             for p in self.params:  # the gradient now lives in the accumulator
                 p.grad = None
             self.update_applied = False
@@ -283,13 +315,19 @@ class Loop:
         """The boundary: reduce over ranks, skip a non-finite or weightless cycle, else clip
         and update. Returns whether the weights were updated."""
         cycle = self.cycle
-        if self.across_ranks is not None:
+        if self.fsdp is not None:
+            cycle.collect_device_flag()
+            self.fsdp.reduce(cycle, self.flushing)
+        elif self.across_ranks is not None:
             cycle.collect_device_flag()
             self.across_ranks.reduce(cycle, self.flushing)
         idx = cycle.seen_index()
         scaling = self.scaler.enabled()
         scale = grad_scale(cycle.reduction, cycle.total_weight, self.scaler.scale())
-        norm = cycle.result_norm(idx, scale)
+        if self.fsdp is not None:  # Σacc² summed over the shards in the reduction
+            norm = self.fsdp.norm(cycle, scale)
+        else:
+            norm = cycle.result_norm(idx, scale)
         cycle.collect_device_flag()
         cycle.check_total_weight()
         if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):
@@ -315,13 +353,32 @@ class Loop:
                 coef = clip_coef(norm, self.max_grad_norm).to(torch.float32).reshape(1)
             else:
                 scale *= clip_coef(norm, self.max_grad_norm)
-        self.update(idx, scale, coef)
+        if self.fsdp is not None:
+            self.fsdp_update(idx, scale, coef)
+        else:
+            self.update(idx, scale, coef)
         self.updates += 1
         self.scaler.update(found_inf=False)
         cycle.reset()
         self.update_applied = True
         self.update.run_step_hooks(hooks.owner, hooks.post, post=True)
         return True
+
+    def fsdp_update(self, idx: list[int], scale: float, coef: Any) -> None:
+        """The update under FSDP2: AGC's whole-tensor units (rank ≤ 1 parameters, spread over
+        the shards) clipped with norms summed over the ranks, the rest as usual."""
+        update = self.update
+        skip = update.agc_skip
+        whole = self.fsdp.whole_units(self.params, skip)
+        if not whole:
+            update(idx, scale, coef)
+            return
+        self.fsdp.clip_whole(whole, self.params, self.cycle, scale, update.clip_factor, update.eps)
+        update.agc_skip = set(skip) | set(whole)
+        try:
+            update(idx, scale, coef)
+        finally:
+            update.agc_skip = skip
 
     # ---- checkpoints ----
 
@@ -333,13 +390,23 @@ class Loop:
         saved.update(reduction=cycle.reduction, **cycle.state())
         saved.update(updates=self.updates, growth_tracker=self.scaler.growth_tracker)
         views = self.views
-        saved["accumulators"] = self.flat.clone() if views is None else views.saved(self.flat)
+        if self.fsdp is not None:  # sharded: DTensors, the ranks' weights gathered
+            saved.update(self.fsdp.save(self.params, cycle.accs, cycle.nonfinite))
+            self.fsdp.fill_state(self.optimizer, self.update.kind)
+        else:
+            saved["accumulators"] = self.flat.clone() if views is None else views.saved(self.flat)
         return saved
 
     def load(self, state_dict: dict[str, Any]) -> None:
         """Check everything, then load the inner optimizer's state and the accumulation."""
         self.refuse_in_flight("load_state_dict()")
         cycle = self.cycle
+        weight = 0.0
+        if self.fsdp is not None and isinstance(state_dict, dict):
+            acc = state_dict.get("accumulation")
+            if isinstance(acc, dict):
+                acc, weight = self.fsdp.loaded(acc, self.params, self.flat, cycle.accs)
+                state_dict = dict(state_dict, accumulation=acc)
         _params.check_saved(
             state_dict,
             layout=self.layout,
@@ -353,6 +420,8 @@ class Loop:
         self.optimizer.load_state_dict(inner)
         self.flat.copy_(acc["accumulators"])
         cycle.load_state(acc)
+        if self.fsdp is not None:
+            self.fsdp.weight = weight
         if self.views is not None:
             self.views.after_load(cycle.micro_step, cycle.named_weight)
         self.updates = int(acc["updates"])

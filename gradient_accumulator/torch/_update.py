@@ -20,6 +20,10 @@ def _float(v: Any) -> float:
     return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
 
+def _same(t: Any) -> Any:
+    return t
+
+
 def fused_kind(opt: torch.optim.Optimizer) -> str | None:
     """``"sgd"`` or ``"adam"`` when the core's fused update is the optimizer's own formula."""
     if type(opt) is torch.optim.SGD:
@@ -55,7 +59,10 @@ class InnerUpdate:
         agc_skip: set[int] | None,
         clip_factor: float,
         eps: float,
+        local: Any = None,
     ) -> None:
+        # local: tensor -> the tensor the core writes (a DTensor's local shard), or None.
+        self._local = local if local is not None else _same
         self.optimizer = optimizer
         self.params = list(params)
         self.accs = list(accs)
@@ -173,9 +180,13 @@ class InnerUpdate:
                 self._apply(
                     key,
                     {
-                        "params": lambda run=run: [self.params[i] for i in run],
+                        "params": lambda run=run: [self._local(self.params[i]) for i in run],
                         "accumulators": lambda run=run: [self.accs[i] for i in run],
-                        **({"state1": lambda bufs=bufs: bufs} if bufs is not None else {}),
+                        **(
+                            {"state1": lambda bufs=bufs: [self._local(b) for b in bufs]}
+                            if bufs is not None
+                            else {}
+                        ),
                     },
                     optimizer="sgd",
                     grad_scale=scale,
@@ -211,10 +222,12 @@ class InnerUpdate:
                 self._apply(
                     ("adam", tuple(ids), len(self.optimizer.state)),
                     {
-                        "params": lambda ids=ids: [self.params[i] for i in ids],
+                        "params": lambda ids=ids: [self._local(self.params[i]) for i in ids],
                         "accumulators": lambda ids=ids: [self.accs[i] for i in ids],
-                        "state1": lambda states=states: [s["exp_avg"] for s in states],
-                        "state2": lambda states=states: [s["exp_avg_sq"] for s in states],
+                        "state1": lambda states=states: [self._local(s["exp_avg"]) for s in states],
+                        "state2": lambda states=states: [
+                            self._local(s["exp_avg_sq"]) for s in states
+                        ],
                     },
                     optimizer="adamw" if decoupled else "adam",
                     grad_scale=scale,
@@ -232,11 +245,11 @@ class InnerUpdate:
             p.grad = torch.empty_like(p) if i in chosen else None
         for ids, agc in self._runs(index):
             core.apply(
-                [self.params[i].detach() for i in ids] if agc else None,
+                [self._local(self.params[i].detach()) for i in ids] if agc else None,
                 [self.accs[i] for i in ids],
                 optimizer="none",
                 grad_scale=scale,
-                grads_out=[self.params[i].grad for i in ids],
+                grads_out=[self._local(self.params[i].grad) for i in ids],
                 agc=agc,
                 clip_factor=self.clip_factor,
                 agc_eps=self.eps,

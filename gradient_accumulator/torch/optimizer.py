@@ -114,6 +114,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
             this optimizer: they take the cycle's length and phase from it (their running
             statistics update in the forward whose ``step()`` ends the cycle, whatever
             ``accum_steps`` is set to between cycles) and :meth:`flush` flushes them.
+            Required for a model sharded by FSDP2 (``fully_shard``): the accumulators and
+            the update then work on each rank's shard, and each micro-batch's weight (named
+            before its backward) enters FSDP2's reduce-scatter, so that the ranks are weighted
+            exactly.
         gradient_as_view: make each fp32 parameter's ``.grad`` a view of its accumulator, so
             autograd adds every micro-batch's gradient into it in place and ``step()`` makes no
             pass over the gradients (as DDP's ``gradient_as_bucket_view``). A micro-batch's
@@ -217,7 +221,10 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @reduction.setter
     def reduction(self, value: str) -> None:
-        self._loop.cycle.set_reduction(checked("reduction")(self, value))
+        value = checked("reduction")(self, value)
+        if value == "running_mean" and self._loop.sharded and value != self.reduction:
+            raise ValueError("a model sharded by FSDP2 needs reduction='mean' or 'sum'")
+        self._loop.cycle.set_reduction(value)
 
     @property
     def clip_factor(self) -> float:
@@ -440,7 +447,8 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         ``"layout"`` is a fingerprint of the parameters' shapes, dtypes and groups, checked by
         :meth:`load_state_dict`.
         """
-        return {"optimizer": self.optimizer.state_dict(), "accumulation": self._loop.save()}
+        accumulation = self._loop.save()
+        return {"optimizer": self.optimizer.state_dict(), "accumulation": accumulation}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (mid-cycle included).
