@@ -151,9 +151,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             gradient unscaled once per cycle.
         accum_steps: micro-batches per update, an int ≥ 1.
         reduction: ``"MEAN"`` (the weighted mean of the micro-batch gradients; exact for
-            micro-batches of equal size, and for unequal ones under
-            :class:`GradientAccumulateModel`, which weights each by its number of samples, or
-            in a custom loop that passes ``apply(..., weight=batch_size)``),
+            micro-batches of equal size, and for unequal ones in ``fit``, which weights each by
+            its number of samples, or in a custom loop that passes
+            ``apply(..., weight=batch_size)``),
             ``"SUM"`` (their plain sum) or ``"RUNNING_MEAN"`` (the accumulator always holds the
             mean so far: same result as MEAN, no growth of the accumulated values).
         name: the optimizer's name.
@@ -723,8 +723,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 ``"RUNNING_MEAN"``), as the PyTorch wrapper's ``step(weight=...)``: its number
                 of samples when the loss is a per-batch mean, so that a short last batch counts
                 as much as it should. A number ≥ 0 or a scalar tensor. ``None``: the value in
-                ``counter("batch_weight")`` (1, or the batch size
-                :class:`GradientAccumulateModel` writes there before each step). A given weight
+                ``counter("batch_weight")`` (1, or the batch size ``fit`` writes there before
+                each step, with either wrapper). A given weight
                 counts for this call only.
         """
         if weight is not None:
