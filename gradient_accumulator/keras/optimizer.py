@@ -904,8 +904,25 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         first = ops.equal(self._micro_step, 0)
         w = self._weight(self._batch_weight)
         w_before = ops.where(first, 0.0, self._total_weight)
-        for acc, value in zip(accs, self._fold([a.value for a in accs], grads, first, w, w_before)):
-            acc.assign(value)
+        if self.reduction == "RUNNING_MEAN":
+            for acc, value in zip(
+                accs, self._fold([a.value for a in accs], grads, first, w, w_before)
+            ):
+                acc.assign(value)
+        else:
+            # The same values as _fold, in place: a select over both candidates costs two more
+            # passes over every gradient than an overwrite or an add (TensorFlow does not fuse).
+            terms = grads if self.reduction == "SUM" else [g * w for g in grads]
+
+            def overwrite() -> None:
+                for acc, t in zip(accs, terms):
+                    acc.assign(t)
+
+            def add() -> None:
+                for acc, t in zip(accs, terms):
+                    acc.assign_add(t)
+
+            ops.cond(first, overwrite, add)
         if self.mixed_precision:
             bad = ops.cast(ops.logical_not(self._all_finite(grads)), "float32")
             self._nonfinite.assign(ops.maximum(ops.where(first, 0.0, self._nonfinite), bad))
