@@ -112,9 +112,14 @@ def fold(
     batch_weight: Any,
     options: Options,
     present: Sequence[bool],
+    *,
+    accs_in_place: bool = False,
 ) -> FoldState:
     """The state after one micro-batch: ``grads`` (dense, float32) of weight ``batch_weight``
-    (ignored under ``"sum"``) folded in; ``present`` says which variables had a gradient."""
+    (ignored under ``"sum"``) folded in; ``present`` says which variables had a gradient.
+
+    ``accs_in_place``: the caller folds the accumulators itself with :func:`fold_in_place`
+    (the returned ``accs`` are ``state.accs``, unchanged)."""
     first = ops.equal(state.micro_step, 0)
     w = 1.0 if options.reduction == "sum" else ops.cast(batch_weight, "float32")
     w_before = ops.where(first, 0.0, state.total_weight)
@@ -123,13 +128,38 @@ def fold(
         bad = ops.cast(ops.logical_not(all_finite(grads)), "float32")
         nonfinite = ops.maximum(ops.where(first, 0.0, state.nonfinite), bad)
     return FoldState(
-        accs=_fold_accs(state.accs, grads, first, w, w_before, options.reduction),
+        accs=state.accs
+        if accs_in_place
+        else _fold_accs(state.accs, grads, first, w, w_before, options.reduction),
         seen=_seen_after(state.seen, present, first),
         total_weight=ops.cast(w_before + w, "float32"),
         nonfinite=nonfinite,
         micro_step=state.micro_step + 1,
         iterations=state.iterations + 1,
     )
+
+
+def fold_in_place(
+    accs: list[Any], grads: list[Any], micro_step: Any, batch_weight: Any, options: Options
+) -> None:
+    """:func:`fold`'s accumulator values written into the variables ``accs`` for ``"mean"`` and
+    ``"sum"``: an overwrite on a cycle's first micro-step, an in-place add after it. A select
+    over both candidates costs two more passes over every gradient (TensorFlow does not fuse
+    them on the CPU)."""
+    if options.reduction == "running_mean":
+        raise ValueError("fold_in_place folds 'mean' and 'sum' only")
+    w = ops.cast(batch_weight, "float32")
+    terms = grads if options.reduction == "sum" else [g * w for g in grads]
+
+    def overwrite() -> None:
+        for acc, t in zip(accs, terms):
+            acc.assign(t)
+
+    def add() -> None:
+        for acc, t in zip(accs, terms):
+            acc.assign_add(t)
+
+    ops.cond(ops.equal(micro_step, 0), overwrite, add)
 
 
 def grad_scale(

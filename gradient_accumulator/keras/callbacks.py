@@ -2,7 +2,9 @@
 
 ``fit`` gets it by itself: importing this package hooks :class:`FlushAccumulation` into the
 callbacks of every model whose optimizer is (or wraps) a :class:`GradientAccumulateOptimizer`,
-plain ``keras.Model`` or :class:`GradientAccumulateModel` alike.
+plain ``keras.Model`` or :class:`GradientAccumulateModel` alike. The same hook gives such a
+plain model a ``train_step`` that passes each batch's number of samples to the optimizer as the
+batch's weight (:func:`weigh_batch`), as :class:`GradientAccumulateModel`'s own step does.
 """
 
 from __future__ import annotations
@@ -107,6 +109,40 @@ class FlushAccumulation(keras.callbacks.Callback):
             opt.report_nonfinite()
 
 
+def _batch_size(data: Any) -> Any:
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return keras.ops.cast(keras.ops.shape(first)[0], "float32")
+
+
+def weigh_batch(model: Any, *args: Any) -> Any:
+    """Write the batch's number of samples into the accumulating optimizer's
+    ``counter("batch_weight")`` before a ``train_step`` (``args``: its arguments).
+
+    TensorFlow and torch backends: ``args`` is ``(data,)``; the counter is assigned (the
+    optimizer is built first if it is not yet, as Keras's first ``apply`` would, so that the
+    first batch of an eager run is weighed too). JAX: ``args`` is ``(state, data)`` and the
+    state with the weight in its optimizer values is returned.
+    """
+    opt = find_accumulator(getattr(model, "optimizer", None))
+    if keras.backend.backend() == "jax":
+        state, data = args
+        if opt is None:
+            return state
+        trainable, non_trainable, optimizer_values, metrics = state
+        optimizer_values = list(optimizer_values)
+        weight = opt.counter("batch_weight")
+        index = [id(v) for v in model.optimizer.variables].index(id(weight))
+        optimizer_values[index] = _batch_size(data)
+        return trainable, non_trainable, optimizer_values, metrics
+    (data,) = args
+    if opt is not None:
+        if not opt.built:
+            model.optimizer.build(model.trainable_variables)
+        opt.counter("batch_weight").assign(_batch_size(data))
+    return None
+
+
 def flush_batchnorm(model: Any) -> int:
     """Flush every :class:`AccumBatchNormalization` layer of ``model`` (see its ``flush``).
 
@@ -128,7 +164,8 @@ def _with_flush(callbacks: Any, model: Any) -> None:
     opt = find_accumulator(getattr(model, "optimizer", None))
     if opt is None:
         return
-    opt._retrace_if_changed(model)  # a setting changed since fit compiled its step
+    retrace = opt._retrace_if_changed(model)  # a setting changed since fit compiled its step
+    _weigh_batches(model, fresh=retrace)
     found = [c for c in callbacks.callbacks if isinstance(c, FlushAccumulation)]
     flush = found[0] if found else FlushAccumulation()
     callbacks.callbacks = [flush] + [c for c in callbacks.callbacks if c is not flush]
@@ -136,6 +173,36 @@ def _with_flush(callbacks: Any, model: Any) -> None:
         flush.set_model(model)
         if getattr(callbacks, "params", None):
             flush.set_params(callbacks.params)
+
+
+def _weigh_batches(model: Any, fresh: bool = False) -> None:
+    """Give ``model`` (a plain ``keras.Model`` compiled with an accumulating optimizer) a
+    ``train_step`` that writes each batch's number of samples as its weight before Keras's own
+    step, as :class:`GradientAccumulateModel` does, so that ``fit``'s short last batch counts as
+    much as it should. Set on the instance, once; the step is looked up when ``fit`` makes its
+    train function, which it does after setting the callbacks' model. ``fresh``: the compiled
+    step was dropped; a new function object is set, since ``jax.jit`` keeps its traces per
+    function object and would otherwise hand back the step traced with the old settings."""
+    if not hasattr(model, "train_step"):
+        return
+    if getattr(model, "_weighs_batches", False):
+        if not fresh:
+            return
+        step = model._plain_train_step
+    else:
+        step = model.train_step
+        object.__setattr__(model, "_plain_train_step", step)
+
+    def train_step(*args: Any) -> Any:
+        if keras.backend.backend() == "jax":
+            return step(weigh_batch(model, *args), args[1])
+        weigh_batch(model, *args)
+        return step(*args)
+
+    object.__setattr__(model, "train_step", train_step)
+    object.__setattr__(model, "_weighs_batches", True)
+    # A train function made before (train_on_batch, predict is unaffected) calls the old step.
+    object.__setattr__(model, "train_function", None)
 
 
 # Every fit puts FlushAccumulation first when the model's optimizer accumulates.

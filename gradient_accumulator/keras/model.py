@@ -6,7 +6,6 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
 from gradient_accumulator import _validation
 from gradient_accumulator.keras._compat import model_being_cloned, warn_deprecated
@@ -14,6 +13,7 @@ from gradient_accumulator.keras.callbacks import (
     FlushAccumulation,
     find_accumulator,
     flush_batchnorm,
+    weigh_batch,
 )
 from gradient_accumulator.keras.layers import register_batchnorm, reset_batchnorm
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
@@ -22,12 +22,6 @@ from gradient_accumulator.nonfinite import check_on_nonfinite
 __all__ = ["GradientAccumulateModel"]
 
 _BACKEND = keras.backend.backend()
-
-
-def _batch_size(data: Any) -> Any:
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
-    return ops.cast(ops.shape(first)[0], "float32")
 
 
 def _is_graph_io(value: Any) -> bool:
@@ -236,27 +230,21 @@ class GradientAccumulateModel(keras.Model):
             callbacks.append(FlushAccumulation())
         return callbacks
 
+    # fit adds no per-instance step to this class (see callbacks._weigh_batches): its own
+    # train_step writes the weight.
+    _weighs_batches = True
+
     if _BACKEND == "jax":
 
         def train_step(self, state: Any, data: Any) -> Any:
             """One micro-step; passes the batch size to the optimizer as the batch's weight."""
-            opt = find_accumulator(self.optimizer)
-            if opt is not None:
-                trainable, non_trainable, optimizer_values, metrics = state
-                optimizer_values = list(optimizer_values)
-                weight = opt.counter("batch_weight")
-                index = [id(v) for v in self.optimizer.variables].index(id(weight))
-                optimizer_values[index] = _batch_size(data)
-                state = (trainable, non_trainable, optimizer_values, metrics)
-            return super().train_step(state, data)
+            return super().train_step(weigh_batch(self, state, data), data)
 
     else:
 
         def train_step(self, data: Any) -> Any:
             """One micro-step; passes the batch size to the optimizer as the batch's weight."""
-            opt = find_accumulator(self.optimizer)
-            if opt is not None and opt.built:
-                opt.counter("batch_weight").assign(_batch_size(data))
+            weigh_batch(self, data)
             return super().train_step(data)
 
     def apply_accu_gradients(self) -> bool:

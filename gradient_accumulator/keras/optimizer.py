@@ -147,9 +147,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             gradient unscaled once per cycle.
         accum_steps: micro-batches per update, an int ≥ 1.
         reduction: ``"MEAN"`` (the weighted mean of the micro-batch gradients; exact for
-            micro-batches of equal size, and for unequal ones under
-            :class:`GradientAccumulateModel`, which weights each by its number of samples, or
-            in a custom loop that passes ``apply(..., weight=batch_size)``),
+            micro-batches of equal size, and for unequal ones in ``fit``, which weights each by
+            its number of samples, or in a custom loop that passes
+            ``apply(..., weight=batch_size)``),
             ``"SUM"`` (their plain sum) or ``"RUNNING_MEAN"`` (the accumulator always holds the
             mean so far: same result as MEAN, no growth of the accumulated values).
         name: the optimizer's name.
@@ -749,8 +749,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 ``"RUNNING_MEAN"``), as the PyTorch wrapper's ``step(weight=...)``: its number
                 of samples when the loss is a per-batch mean, so that a short last batch counts
                 as much as it should. A number ≥ 0 or a scalar tensor. ``None``: the value in
-                ``counter("batch_weight")`` (1, or the batch size
-                :class:`GradientAccumulateModel` writes there before each step). A given weight
+                ``counter("batch_weight")`` (1, or the batch size ``fit`` writes there before
+                each step, with either wrapper). A given weight
                 counts for this call only.
         """
         if weight is not None:
@@ -928,6 +928,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        in_place = self._options.reduction != "running_mean"
+        if in_place:  # before the counters move: the first micro-step overwrites
+            _cycle.fold_in_place(
+                accs, grads, self._micro_step.value, self._batch_weight.value, self._options
+            )
         state = _cycle.fold(
             _cycle.FoldState(
                 [a.value for a in accs],
@@ -941,9 +946,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._batch_weight.value,
             self._options,
             present,
+            accs_in_place=in_place,
         )
-        for acc, value in zip(accs, state.accs):
-            acc.assign(value)
+        if not in_place:
+            for acc, value in zip(accs, state.accs):
+                acc.assign(value)
         if self.mixed_precision:
             self._nonfinite.assign(state.nonfinite)
         with after(grads[:1]):

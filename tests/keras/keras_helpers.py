@@ -132,6 +132,7 @@ def train_accumulated(
     epochs: int = 2,
     seed: int = 0,
     use_core=None,
+    run_eagerly: bool = False,
 ):
     """Weights after training with ``accum`` micro-batches of ``micro`` per update."""
     x, y = data()
@@ -140,12 +141,12 @@ def train_accumulated(
         model = GradientAccumulateModel(
             accum_steps=accum, use_agc=use_agc, inputs=inputs, outputs=outputs
         )
-        model.compile(make_inner(name), loss="mse")
+        model.compile(make_inner(name), loss="mse", run_eagerly=run_eagerly)
     else:
         model = keras.Model(inputs, outputs)
         opt = GradientAccumulateOptimizer(
             make_inner(name), accum_steps=accum, use_agc=use_agc, use_core=use_core
         )
-        model.compile(opt, loss="mse")
+        model.compile(opt, loss="mse", run_eagerly=run_eagerly)
     model.fit(x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0)
     return flat(model), model
