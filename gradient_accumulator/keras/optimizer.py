@@ -1000,8 +1000,22 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         if merged:
             import tensorflow as tf
+            from tensorflow.python.distribute import device_util
 
-            def cross_replica(distribution: Any, boundary: Any, local: Any, pred: Any) -> Any:
+            # With clipping (or AGC) the cycle's gradient is reduced over the replicas before the
+            # inner update: each replica's accumulators go to the cross-replica context, which
+            # sums them at the boundary (a collective in a replica's branch would need a
+            # merge_call there, which fails across workers).
+            clips = self._clips()
+            local_accs = (
+                [self._accumulators[self._get_variable_index(v)].value for v in variables]
+                if clips
+                else None
+            )
+
+            def cross_replica(
+                distribution: Any, boundary: Any, local: Any, pred: Any, local_accs: Any
+            ) -> Any:
                 # The replicas' verdicts are summed here, in the cross-replica context (an
                 # all-reduce inside a replica's conditional would need a merge_call there),
                 # and only at the boundary: no collective on the other micro-steps.
@@ -1026,18 +1040,26 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                         (ops.logical_and(go, first), if_true),
                         (ops.logical_and(go, ops.logical_not(first)), if_false),
                     ]
-                for when, keep in choices:
-                    ops.cond(
-                        when,
-                        lambda keep=keep: distribution.extended.call_for_each_replica(
-                            self._inner_update, args=(variables, keep)
-                        ),
-                        lambda: None,
+
+                def update(keep: list[int]) -> None:
+                    reduced = None
+                    if clips and keep:
+                        # One packed all-reduce of the kept accumulators, as Keras's step sends.
+                        destination = device_util.current() or "/device:CPU:0"
+                        reduced = distribution.extended.batch_reduce_to(
+                            tf.distribute.ReduceOp.SUM,
+                            [(local_accs[i], destination) for i in keep],
+                        )
+                    distribution.extended.call_for_each_replica(
+                        self._inner_update, args=(variables, keep, reduced)
                     )
+
+                for when, keep in choices:
+                    ops.cond(when, lambda keep=keep: update(keep), lambda: None)
                 return skip
 
             skip = tf.distribute.get_replica_context().merge_call(
-                cross_replica, args=(boundary, nonfinite, pred)
+                cross_replica, args=(boundary, nonfinite, pred, local_accs)
             )
         else:
             skip = ops.greater(nonfinite, 0.0) if checks else False
@@ -1066,34 +1088,64 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
         self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
 
-    def _inner_update(self, variables: list[Any], keep: list[int]) -> None:
+    def _clips(self) -> bool:
+        """Whether the boundary clips the cycle's gradient (AGC or the wrapper's own clipping)."""
+        return bool(self.use_agc) or any(
+            c is not None for c in (self.clipnorm, self.clipvalue, self.global_clipnorm)
+        )
+
+    def _inner_update(
+        self, variables: list[Any], keep: list[int], reduced: Sequence[Any] | None = None
+    ) -> None:
         """The inner optimizer's update of ``variables[keep]`` with the cycle's averaged
-        gradient (replica context)."""
+        gradient (replica context).
+
+        ``reduced``: the kept accumulators already summed over the replicas (the cross-replica
+        context reduced them); under a strategy with clipping they are reduced here otherwise.
+        """
         if not keep:
             return
         variables = [variables[i] for i in keep]
         accs = [self._accumulators[self._get_variable_index(v)].value for v in variables]
         strategy = _strategy()
-        clips = self.use_agc or any(
-            c is not None for c in (self.clipnorm, self.clipvalue, self.global_clipnorm)
-        )
-        replicas = 1
-        if strategy is not None and clips:
+        summed = strategy is not None and self._clips()
+        if summed:
             import tensorflow as tf
 
-            # Clipping needs the reduced gradient; the inner optimizer sums over replicas
-            # again, so it gets 1/R of the (identical) clipped value.
-            accs = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, accs)
-            replicas = strategy.num_replicas_in_sync
+            # Clipping needs the gradient summed over the replicas.
+            if reduced is None:
+                reduced = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, accs
+                )
+            accs = list(reduced)
         grads = self._final_grads(
             accs,
             variables,
             [v.value for v in variables],
             self._grad_scale(self._total_weight, self._loss_scale),
         )
-        if replicas > 1:
-            grads = [g / replicas for g in grads]
-        self.optimizer.apply(grads, variables)
+        if not summed:
+            self.optimizer.apply(grads, variables)
+            return
+        # Every replica holds the same clipped gradient: the inner optimizer takes it as it is,
+        # without summing it over the replicas a second time (Keras's TensorFlow optimizers
+        # sum in ``_all_reduce_sum_gradients``; one without it gets 1/R of the gradient, summed
+        # again).
+        chain, opt = [], self.optimizer
+        while opt is not None and all(opt is not o for o in chain):
+            chain.append(opt)
+            opt = getattr(opt, "inner_optimizer", None)
+        if not all(hasattr(o, "_all_reduce_sum_gradients") for o in chain):
+            replicas = strategy.num_replicas_in_sync
+            self.optimizer.apply([g / replicas for g in grads], variables)
+            return
+        for opt in chain:
+            vars(opt)["_all_reduce_sum_gradients"] = _already_reduced
+        try:
+            self.optimizer.apply(grads, variables)
+        finally:
+            for opt in chain:
+                vars(opt).pop("_all_reduce_sum_gradients", None)
 
     # Functional path (JAX). --------------------------------------------------------------
 
@@ -1403,6 +1455,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 inner, custom_objects=custom_objects
             )
         return cls(**config)
+
+
+def _already_reduced(grads_and_vars: Any) -> list:
+    """Stands in for a Keras optimizer's all-reduce of gradients that are reduced already."""
+    return list(grads_and_vars)
 
 
 def _value(x: Any) -> Any:

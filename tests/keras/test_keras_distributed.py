@@ -64,6 +64,39 @@ def _scope():
     return None, contextlib.nullcontext()
 
 
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_two_replicas_global_clipnorm_matches_keras_on_the_big_batch(name):
+    """The wrapper's global_clipnorm clips the cycle's gradient summed over the replicas: Keras's
+    own global_clipnorm on the big batch, one device."""
+    if BACKEND != "tensorflow":
+        pytest.skip("the replicas' reduction at the boundary is tf.distribute's")
+    clip = 0.05  # below the gradients' global norm: every update is clipped
+    x, y = data()
+
+    def big_batch(global_clipnorm):
+        inputs, outputs = mlp()
+        model = keras.Model(inputs, outputs)
+        inner = make_inner(name)
+        inner.global_clipnorm = global_clipnorm  # Keras's own clipping
+        model.compile(inner, loss="mse")
+        model.fit(x, y, batch_size=ACCUM * MICRO, epochs=2, shuffle=False, verbose=0)
+        return flat(model)
+
+    ref = big_batch(clip)
+    assert rel_diff(big_batch(None), ref) > 100 * TOL  # the clipping changes the result
+    _, scope = _scope()
+    with scope:
+        inputs, outputs = mlp()
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            GradientAccumulateOptimizer(make_inner(name), accum_steps=ACCUM, global_clipnorm=clip),
+            loss="mse",
+        )
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert rel_diff(flat(model), ref) <= TOL
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 8
+
+
 @pytest.mark.parametrize("use_agc", [False, True], ids=["plain", "agc"])
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])

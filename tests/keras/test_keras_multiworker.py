@@ -7,6 +7,8 @@
   all-reduce at the boundary — exactly what Keras's own step sends once per big batch — and
   nothing of their size in between; the only other all-reduce of the cycle is the boundary's
   one-element non-finite verdict (every worker skips the same cycles).
+- The wrapper's ``global_clipnorm`` and AGC clip the cycle's gradient summed over the workers
+  (the clipped big batch), with the same single gradient all-reduce per cycle.
 - ``ModelCheckpoint`` written half-way through a cycle (two micro-batches accumulated on each
   worker) and loaded on both workers resumes that cycle: the run ends where the uninterrupted
   one does.
@@ -163,18 +165,38 @@ def test_model_checkpoint_mid_cycle_resumes(results, big_batch, wrapper):
         assert _rel(entry["resumed_weights"], big_batch) <= TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under MultiWorkerMirroredStrategy the wrapper's clipping reduces the gradients "
-    "inside the boundary's cross-replica conditional, which fails while tracing "
-    "('destinations can not be empty')",
-)
-def test_global_clipnorm_matches_the_big_batch(results):
+def _fit_big_batch(model) -> np.ndarray:
     x, y = worker.data()
-    ref = worker.build("plain", 1, global_clipnorm=worker.CLIPNORM)
-    ref.fit(
+    model.fit(
         x, y, batch_size=worker.ACCUM * worker.MICRO, epochs=worker.EPOCHS, shuffle=False, verbose=0
     )
+    return np.asarray(worker.flat(model))
+
+
+@pytest.mark.parametrize("name", ["clipped", "agc"])
+def test_clipping_matches_the_clipped_big_batch(results, big_batch, name):
+    """The wrapper's global_clipnorm against Keras's own on the big batch in one process; AGC
+    against the wrapper's with one micro-batch per update (the big batch) in one process."""
+    if name == "clipped":
+        ref = _fit_big_batch(worker.build("plain", 1, global_clipnorm=worker.CLIPNORM))
+    else:
+        ref = _fit_big_batch(worker.build("optimizer", 1, use_agc=True))
+    # The clipping changes the result, so matching it is not matching the unclipped run.
+    assert _rel(ref, big_batch) > 100 * TOL
     for r in results:
-        assert "error" not in r["clipped"], r["clipped"]["error"]
-        assert _rel(r["clipped"]["weights"], worker.flat(ref)) <= TOL
+        assert "error" not in r[name], r[name]["error"]
+        assert _rel(r[name]["weights"], ref) <= TOL
+    np.testing.assert_array_equal(results[0][name]["weights"], results[1][name]["weights"])
+
+
+@pytest.mark.parametrize("name", ["clipped", "agc"])
+def test_clipping_all_reduces_the_gradients_once_per_cycle(results, name):
+    """Clipping needs the summed gradient: it is reduced at the boundary, once, and the inner
+    optimizer does not sum it again."""
+    for r in results:
+        assert "error" not in r[name], r[name]["error"]
+        steps = r[name]["all_reduces"]
+        assert len(steps) == 4 * worker.ACCUM
+        for i, step in enumerate(steps):
+            boundary = i % worker.ACCUM == worker.ACCUM - 1
+            assert [s for s in step if s > 1] == ([GRADIENT_ELEMENTS] if boundary else []), i

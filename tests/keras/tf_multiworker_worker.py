@@ -21,6 +21,7 @@ import numpy as np
 
 ACCUM, MICRO, SAMPLES, EPOCHS = 4, 8, 64, 2
 CLIPNORM = 0.05  # below the gradients' global norm, so every update is clipped
+AGC_FACTOR = 0.01  # small enough that AGC clips the updates
 WRAPPERS = ("model", "optimizer")
 
 
@@ -38,9 +39,10 @@ def initial_weights():
     return [(0.5 * rng.normal(size=s)).astype("float32") for s in shapes]
 
 
-def build(wrapper: str, accum: int, global_clipnorm: float | None = None):
+def build(wrapper: str, accum: int, global_clipnorm: float | None = None, use_agc: bool = False):
     """Dense(8, tanh) → Dense(3), compiled with Adam (traced, not XLA-compiled); with
-    ``global_clipnorm``, clipped by Keras (plain) or by the wrapper (cycle's gradient)."""
+    ``global_clipnorm``, clipped by Keras (plain) or by the wrapper (cycle's gradient); with
+    ``use_agc``, the wrapper's AGC (``AGC_FACTOR``, every layer)."""
     import keras
 
     from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
@@ -59,7 +61,16 @@ def build(wrapper: str, accum: int, global_clipnorm: float | None = None):
     else:
         model = keras.Model(inputs, outputs)
         model.compile(
-            GradientAccumulateOptimizer(inner, accum_steps=accum, **clip),
+            GradientAccumulateOptimizer(
+                inner,
+                accum_steps=accum,
+                **clip,
+                **(
+                    {"use_agc": True, "clip_factor": AGC_FACTOR, "agc_exclude": None}
+                    if use_agc
+                    else {}
+                ),
+            ),
             loss="mse",
             jit_compile=False,
         )
@@ -180,15 +191,17 @@ def main(out_dir: str) -> None:
         entry["resumed_weights"] = flat(resumed)
         entry["resumed_iterations"] = int(resumed.optimizer.iterations.numpy())
         result[wrapper] = entry
-    # The wrapper's global-norm clipping (last: under this strategy it fails while the step is
-    # traced, before any collective runs).
-    with strategy.scope():
-        model = build("optimizer", ACCUM, global_clipnorm=CLIPNORM)
-    try:
-        model.fit(batches(0, SAMPLES, MICRO), epochs=EPOCHS, verbose=0)
-        result["clipped"] = {"weights": flat(model)}
-    except Exception as e:  # reported to the test, which expects it to pass
-        result["clipped"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    # The wrapper's global-norm clipping and AGC: the cycle's gradient summed over the workers,
+    # then clipped.
+    for name, settings in (("clipped", {"global_clipnorm": CLIPNORM}), ("agc", {"use_agc": True})):
+        with strategy.scope():
+            model = build("optimizer", ACCUM, **settings)
+        steps = PerStep()
+        try:
+            model.fit(batches(0, SAMPLES, MICRO), epochs=EPOCHS, verbose=0, callbacks=[steps])
+            result[name] = {"weights": flat(model), "all_reduces": steps.counts}
+        except Exception as e:  # reported to the test
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     with open(os.path.join(out_dir, f"worker{index}.json"), "w") as f:
         json.dump(result, f)
 
