@@ -185,10 +185,16 @@ def _weigh_batches(model: Any, fresh: bool = False) -> None:
     function object and would otherwise hand back the step traced with the old settings."""
     if not hasattr(model, "train_step"):
         return
+    if keras.backend.backend() == "jax":
+        # Not on JAX yet: there a batch weight other than 1 makes the wrapper at accum_steps=1
+        # differ from the plain Adam in the last bit (tests/keras/test_keras_adam_bits.py), a
+        # cause not found yet. A plain model on JAX counts each batch as 1 (as before);
+        # GradientAccumulateModel weighs its batches exactly.
+        return
     if getattr(model, "_weighs_batches", False):
-        if not fresh:
+        step = getattr(model, "_plain_train_step", None)
+        if not fresh or step is None:  # a GradientAccumulateModel weighs its batches itself
             return
-        step = model._plain_train_step
     else:
         step = model.train_step
         object.__setattr__(model, "_plain_train_step", step)
