@@ -130,6 +130,20 @@ MODELS = {  # d_in, hidden, hidden layers (hidden x hidden), micro-batch size
 # ---- model and data ----
 
 
+def _time_cycles(strategies: list, x: Any, y: Any, n: int) -> torch.Tensor:
+    """Seconds per cycle, round-robin over ``strategies`` (rows) for ``n`` cycles (columns):
+    each rank's time behind a barrier, the slowest rank's kept."""
+    times = torch.zeros(len(strategies), n, dtype=torch.float64)
+    for c in range(n):
+        for i, s in enumerate(strategies):
+            dist.barrier()
+            t0 = time.perf_counter()
+            s.cycle(x[c], y[c])
+            times[i, c] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times
+
+
 def make_net(d_in: int, hidden: int, depth: int, **_: Any) -> nn.Module:
     layers: list[nn.Module] = [nn.Linear(d_in, hidden), nn.GELU()]
     for _ in range(depth):
@@ -390,14 +404,7 @@ def time_cycles(cfg: dict, init: dict, data) -> dict[str, list[float]]:
     x, y = data
     strategies = [Strategy(name, init, cfg, count=False) for name, _ in STRATEGIES]
     n = cfg["warmup"] + cfg["cycles"]
-    times = torch.zeros(len(strategies), n, dtype=torch.float64)
-    for c in range(n):
-        for i, s in enumerate(strategies):
-            dist.barrier()
-            t0 = time.perf_counter()
-            s.cycle(x[c], y[c])
-            times[i, c] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = _time_cycles(strategies, x, y, n)
     return {s.name: times[i, cfg["warmup"] :].tolist() for i, s in enumerate(strategies)}
 
 
@@ -512,14 +519,7 @@ def fsdp2_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> 
         del check
         gc.collect()
         strategies = [Fsdp2Strategy(name, init, cfg["model"]) for name, _ in FSDP2_STRATEGIES]
-        times = torch.zeros(len(strategies), n, dtype=torch.float64)
-        for c in range(n):
-            for i, s in enumerate(strategies):
-                dist.barrier()
-                t0 = time.perf_counter()
-                s.cycle(x[c], y[c])
-                times[i, c] = time.perf_counter() - t0
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        times = _time_cycles(strategies, x, y, n)
         held_t = torch.tensor([float(held[name]) for name, _ in FSDP2_STRATEGIES])
         dist.all_reduce(held_t, op=dist.ReduceOp.MAX)
         if rank == 0:
