@@ -33,6 +33,17 @@ def check_parameters(params: Sequence[torch.Tensor], names: Sequence[str]) -> No
     if len({id(p) for p in params}) != len(params):
         raise ValueError("a parameter appears twice in the optimizer's param_groups")
     for i, p in enumerate(params):
+        if p.device.type not in ("cpu", "cuda"):
+            raise TypeError(
+                f"parameter {names[i]} is on {p.device}; gradient-accumulator runs on CPU and "
+                "CUDA tensors"
+                + (
+                    " (a model built on the meta device must be materialised first, e.g. "
+                    "model.to_empty(device=...) then its initialisation)"
+                    if p.device.type == "meta"
+                    else ""
+                )
+            )
         if p.device.type != "cpu" and not core.has_cuda():
             raise TypeError(
                 f"parameter {names[i]} is on {p.device}, but this build of "

@@ -430,6 +430,17 @@ def test_parameters_sharing_storage_refused_at_construction_by_name():
         GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
 
 
+@pytest.mark.parametrize("cuda_build", [False, True])
+def test_meta_device_model_refused_at_construction_by_name(monkeypatch, cuda_build):
+    # A model built on the meta device has no memory to accumulate into. With a CUDA build it got
+    # past the device check (which only asked "not CPU and no CUDA kernels") and failed later with
+    # a bare BufferError from the DLPack export; without one the message blamed missing CUDA.
+    monkeypatch.setattr(core, "has_cuda", lambda: cuda_build)
+    model = nn.Linear(3, 2, device="meta")
+    with pytest.raises(TypeError, match=r"'weight' is on meta.*to_empty"):
+        GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model=model)
+
+
 @pytest.mark.parametrize(
     "kw, name",
     [
