@@ -53,7 +53,10 @@ AdamW, k micro-batches per step, two strategies side by side:
                            once per cycle;
 * fsdp2 + GA:              ``GradientAccumulateOptimizer(AdamW, k, model=model)``: FSDP2's
                            reduce-scatter (weighted) every micro-batch, the shards folded into
-                           the fp32 accumulators, the fused update on each rank's shard.
+                           the fp32 accumulators, the fused update on each rank's shard;
+* fsdp2 + GA nosync:       the same with FSDP2's gradient sync off until each cycle's last
+                           backward (``set_requires_gradient_sync``): one reduce-scatter per
+                           cycle, unsharded gradients held between micro-batches.
 
 It prints the time per cycle (median, slowest rank), the bytes each rank holds between
 micro-batches for the accumulated gradient (ours: the flat fp32 accumulator buffer; FSDP2's: the
@@ -437,7 +440,12 @@ def worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> None:
 
 # ---- FSDP2 ----
 
-FSDP2_STRATEGIES = [("fsdp2_own", "fsdp2 loss/k"), ("fsdp2_ga", "fsdp2 + GA")]
+FSDP2_STRATEGIES = [
+    ("fsdp2_own", "fsdp2 loss/k"),
+    ("fsdp2_ga", "fsdp2 + GA"),
+    ("fsdp2_ga_nosync", "fsdp2 + GA nosync"),
+]
+OURS_FSDP2 = ("fsdp2_ga", "fsdp2_ga_nosync")
 
 
 class Fsdp2Strategy:
@@ -455,26 +463,42 @@ class Fsdp2Strategy:
         self.name, self.net = name, net
         inner = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
         self.opt: Any = inner
-        if name == "fsdp2_ga":
+        if name in OURS_FSDP2:
             self.opt = GradientAccumulateOptimizer(inner, K, model=net)
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> None:
+        if self.name == "fsdp2_ga_nosync":  # one reduce-scatter per cycle
+            self.net.set_requires_gradient_sync(last)
+        loss = F.mse_loss(self.net(x), y)
+        if self.name in OURS_FSDP2:
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        else:
+            (loss / K).backward()
 
     def cycle(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
         for j in range(K):
-            loss = F.mse_loss(self.net(xs[j]), ys[j])
-            if self.name == "fsdp2_ga":
-                loss.backward()
-                self.opt.step()
-                self.opt.zero_grad()
-            else:
-                (loss / K).backward()
-        if self.name != "fsdp2_ga":
+            self.micro_step(xs[j], ys[j], j == K - 1)
+        if self.name not in OURS_FSDP2:
             self.opt.step()
             self.opt.zero_grad()
 
     def held_bytes(self) -> int:
         """Bytes this rank holds for the accumulated gradient between micro-batches."""
-        if self.name == "fsdp2_ga":
-            return self.opt._loop.flat.numel() * self.opt._loop.flat.element_size()
+        if self.name in OURS_FSDP2:
+            flat = self.opt._loop.flat
+            held = flat.numel() * flat.element_size()
+            if self.name == "fsdp2_ga_nosync":  # + FSDP2's unsharded gradients
+                for m in self.net.modules():
+                    if hasattr(m, "_get_fsdp_state"):
+                        for g in m._get_fsdp_state()._fsdp_param_groups:
+                            for fp in g.fsdp_params:
+                                grad = getattr(fp, "_unsharded_param", None)
+                                grad = None if grad is None else grad.grad
+                                if grad is not None:
+                                    held += grad.numel() * grad.element_size()
+            return held
         return sum(
             p.grad.to_local().numel() * 4 for p in self.net.parameters() if p.grad is not None
         )
@@ -506,16 +530,14 @@ def fsdp2_worker(rank: int, world: int, cfg: dict, port: int, out_path: str) -> 
                 s.cycle(x[c], y[c])
         for s in check:
             for j in range(K - 1):  # a partial cycle: what is held between micro-batches
-                loss = F.mse_loss(s.net(x[0][j]), y[0][j])
-                (loss if s.name == "fsdp2_ga" else loss / K).backward()
-                if s.name == "fsdp2_ga":
-                    s.opt.step()
-                    s.opt.zero_grad()
+                s.micro_step(x[0][j], y[0][j], False)
             held[s.name] = s.held_bytes()
         ref = check[0].full()
-        got = check[1].full()
         wmax = max(v.abs().max().item() for v in ref.values())
-        err = max((got[k] - ref[k]).abs().max().item() for k in ref) / wmax
+        err = 0.0
+        for s in check[1:]:
+            got = s.full()
+            err = max(err, max((got[k] - ref[k]).abs().max().item() for k in ref) / wmax)
         del check
         gc.collect()
         strategies = [Fsdp2Strategy(name, init, cfg["model"]) for name, _ in FSDP2_STRATEGIES]
@@ -563,21 +585,22 @@ def run_fsdp2(worlds: list[int], cfg: dict, n_params: int) -> list[dict]:
             )
     print()
     head = (
-        f"{'world':>5} {'strategy':<16} {'ms/cycle':>9} {'vs ours':>7} {'held MiB/rank':>13} "
+        f"{'world':>5} {'strategy':<19} {'ms/cycle':>9} {'vs ours':>7} {'held MiB/rank':>13} "
         f"{'4P/W+1MiB':>10} {'Δw':>8}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
-        mark = "*" if r["strategy"] == "fsdp2_ga" else " "
+        mark = "*" if r["strategy"] in OURS_FSDP2 else " "
         print(
-            f"{r['world']:>5} {mark}{r['label']:<15} {r['ms_per_cycle']:>9.1f} "
+            f"{r['world']:>5} {mark}{r['label']:<18} {r['ms_per_cycle']:>9.1f} "
             f"{r['vs_ours']:>6.2f}x {r['held_bytes'] / 2**20:>13.3f} "
             f"{r['bound_bytes'] / 2**20:>10.3f} {r['err_vs_own']:>8.1e}"
         )
     print(
         "\n* = ours; 'vs ours' = ms / ours (> 1: ours is faster); held: bytes each rank holds "
-        "for the accumulated gradient between micro-batches (max over ranks); Δw: max|w_ours - "
+        "for the accumulated gradient between micro-batches (max over ranks; nosync: FSDP2's "
+        "unsharded gradients + our accumulators); Δw: max over ours of max|w_ours - "
         "w_loss/k| / max|w| after "
         f"{COUNT_WARMUP + COUNT_CYCLES} cycles"
     )

@@ -82,6 +82,21 @@ REACHES = (
         "keeping AccumBatchNorm layers (which merge across ranks themselves) when a model is "
         "converted for DDP (installed by keep_on_sync_conversion, from torch/batchnorm.py)",
     ),
+    Reach(
+        "torch",
+        "torch.distributed.fsdp.FSDPModule()._get_fsdp_state()._fsdp_param_groups "
+        "(.fsdp_params: .sharded_param, .fsdp_placement; .reduce_grads)",
+        TORCH,
+        "matching the optimizer's parameters to FSDP2's records, the dimension a parameter is "
+        "sharded on (AGC's units) and whether gradient sync is off (torch/fsdp.py)",
+    ),
+    Reach(
+        "torch",
+        "torch.distributed.fsdp FSDPParam()._unsharded_param",
+        TORCH,
+        "weighting each micro-batch's gradient before FSDP2 adds it into its unsharded "
+        "gradients when gradient sync is off (a tensor hook; torch/fsdp.py)",
+    ),
 )
 
 

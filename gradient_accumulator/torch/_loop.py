@@ -228,8 +228,15 @@ class Loop:
         weight = cycle.micro_weight(weight)
         # FSDP2's reduce-scatter already multiplied each rank's gradient by its weight.
         fold_weight = weight
+        unreduced = False  # FSDP2 with gradient sync off: the gradients stay in FSDP2
         if self.fsdp is not None:
-            self.fsdp.check_sync()
+            unreduced = self.fsdp.sync_off()
+            if unreduced and cycle.boundary_next:
+                raise ValueError(
+                    "the last micro-step of a cycle ran its backward with FSDP2's gradient sync "
+                    "off: its gradients are not reduced; turn sync on for the cycle's last "
+                    "backward (model.set_requires_gradient_sync(True))"
+                )
         if self.fsdp is not None and self.fsdp.weighted_by_reduction:
             fold_weight = self.fsdp.fold_weight(weight, cycle.named_weight)
         local = self.locals()
@@ -239,7 +246,9 @@ class Loop:
             _params.check_layout(local, self.names, self.strides)
         if views is not None:
             views.settle_check(weight, self.names.__getitem__)
-        if self.sharded:
+        if unreduced:
+            grads = [None] * len(self.params)
+        elif self.sharded:
             grads = [fsdp.local(p.grad) for p in self.params]
         elif views is None:
             grads = [p.grad for p in self.params]
@@ -265,6 +274,8 @@ class Loop:
                 cycle.fold(grads, fold_weight, norm=norm and not cycle.cuda, held=held)
             if self.fsdp is not None:
                 self.fsdp.weight += weight
+                if not unreduced:
+                    self.fsdp.reduced()
             for p in self.params:  # the gradient now lives in the accumulator
                 p.grad = None
             self.update_applied = False
@@ -297,6 +308,8 @@ class Loop:
         if self.leftover == "carry":
             return False
         self.refuse_in_flight("flush()")
+        if self.fsdp is not None:
+            self.fsdp.check_unreduced("flush()")
         with held_interrupts:
             applied = False
             if self.cycle.micro_step > 0 or self.distributed:

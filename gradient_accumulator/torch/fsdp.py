@@ -14,10 +14,20 @@ its micro-batch's weight before the sum and nothing is divided, so each shard re
 ``Σ_ranks w·g``, and the boundary divides by the total weight of all ranks' micro-batches. The
 weight must thus be named before the backward (``accumulate(model, opt, weight=w)`` or
 ``opt.expect_weight(w)``; 1 by default).
+
+With gradient sync off (``model.set_requires_gradient_sync(False)``, FSDP2's own way to save
+communication), FSDP2 keeps each rank's unsharded gradients and adds the micro-batches'
+gradients into them, unweighted, until a backward with sync on reduce-scatters the sum. The
+wrapper then multiplies each micro-batch's gradient by its weight as it reaches the unsharded
+parameter (a hook on FSDP2's unsharded parameter, before FSDP2 adds it in), and that final
+reduce-scatter multiplies by nothing: each shard receives the same ``Σ_ranks Σ_micro w·g``.
+The micro-steps with sync off fold nothing into the accumulators (their gradients are still
+in FSDP2's unsharded buffers); the cycle's last backward must run with sync on.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -104,6 +114,9 @@ class _WeightedReduceScatter:
     def __init__(self, weight: Any) -> None:
         self.weight = weight  # () -> the weight of the micro-batch whose backward runs
         self.calls = 0
+        # True while the gradients being reduced were multiplied by their weights already (a
+        # cycle with gradient sync off, see FsdpSharding.unreduced).
+        self.pre_weighted = False
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Any:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -116,7 +129,7 @@ class _WeightedReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        w = self.weight()
+        w = 1.0 if self.pre_weighted else self.weight()
         if w != 1.0:
             input_tensor.mul_(w)
         self.calls += 1
@@ -230,9 +243,17 @@ class FsdpSharding:
         check_ranks_agree(self.group, settings, device)
         self.groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
         self.comm = _WeightedReduceScatter(weight) if self.shards > 1 else None
+        # Gradient sync off: each micro-batch's gradient is weighted as it reaches FSDP2's
+        # unsharded parameter. Those exist from a module's first forward on (one object,
+        # re-filled by every all-gather), so a forward hook finds them.
+        self.unreduced = False  # a backward of this cycle ran with gradient sync off
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
         if self.comm is not None:
             for m in modules:
                 _install(m, self.comm)
+                self._handles.append(m.register_forward_hook(self._watch_unsharded))
+                self._watch_unsharded(m)
         self.device = device
         self.weight = 0.0  # this rank's total micro-batch weight in the cycle
         self.collectives = 0
@@ -244,18 +265,66 @@ class FsdpSharding:
         micro-step then folds its shard with weight 1 and counts its weight here)."""
         return self.comm is not None
 
-    def check_sync(self) -> None:
-        """Refuse a micro-step whose gradients FSDP2 kept unreduced
-        (``set_requires_gradient_sync(False)``): it sums them without their weights.
+    def _watch_unsharded(self, module: Any, *_: Any) -> None:
+        """Hook the unsharded parameters of ``module``'s FSDP2 groups not hooked yet."""
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                param = getattr(fp, "_unsharded_param", None)
+                if param is None or id(param) in self._hooked:
+                    continue
+                self._hooked.add(id(param))
+                self._handles.append(param.register_hook(functools.partial(self._weigh, group)))
+
+    def _weigh(self, group: Any, grad: torch.Tensor) -> torch.Tensor | None:
+        """A micro-batch's gradient reaching an unsharded parameter: multiplied by its weight
+        when FSDP2 keeps it unreduced (sync off), and for the rest of that cycle."""
+        if group.reduce_grads and not self.unreduced:
+            return None  # reduced in this backward: the reduce-scatter weighs it
+        self.unreduced = True
+        self.comm.pre_weighted = True
+        w = self.comm.weight()
+        return None if w == 1.0 else grad * w
+
+    def sync_off(self) -> bool:
+        """Whether the micro-step's backward ran with FSDP2's gradient sync off (its gradients
+        are still in FSDP2's unsharded buffers, weighted).
+
+        Raises:
+            ValueError: sync is off for some FSDP2 modules and on for others (nothing changed).
+        """
+        off = [not g.reduce_grads for g in self.groups]
+        if any(off) and not all(off):
+            raise ValueError(
+                "gradient sync is off for some FSDP2 modules of the model and on for others; "
+                "switch it for the whole model (model.set_requires_gradient_sync(flag) on the "
+                "root, recursive by default)"
+            )
+        if any(off) and self.comm is None:
+            raise ValueError(
+                "gradient sync is off on an FSDP2 model sharded over one rank; leave it on "
+                "(with one shard there is no communication to save)"
+            )
+        return bool(off) and all(off)
+
+    def check_unreduced(self, what: str) -> None:
+        """Refuse ``what`` while micro-batches of the cycle are still unreduced in FSDP2's
+        unsharded gradients (sync off): they are not in the accumulators.
 
         Raises:
             ValueError: nothing changed.
         """
-        if any(not g.reduce_grads for g in self.groups):
+        if self.unreduced:
             raise ValueError(
-                "gradient sync is off on the FSDP2 model (set_requires_gradient_sync(False)); "
-                "the wrapper accumulates FSDP2's reduced gradient shards: leave gradient sync on"
+                f"{what} while this cycle's gradients are held unreduced by FSDP2 (gradient "
+                "sync off): run the cycle's last backward with sync on "
+                f"(model.set_requires_gradient_sync(True)) and step() it, then {what}"
             )
+
+    def reduced(self) -> None:
+        """A micro-step with sync on was folded: FSDP2's unsharded gradients are consumed."""
+        self.unreduced = False
+        if self.comm is not None:
+            self.comm.pre_weighted = False
 
     def fold_weight(self, weight: float, named: float | None) -> float:
         """The weight a micro-step's gradient shard is folded in with: 1, as FSDP2's reduction
@@ -400,6 +469,7 @@ class FsdpSharding:
         holds the same: the checkpoint keeps one copy)."""
         from torch.distributed.tensor import DTensor
 
+        self.check_unreduced("state_dict()")
         saved = [
             DTensor.from_local(
                 a.clone(),

@@ -120,6 +120,60 @@ def _frames() -> None:
     assert files == [__file__], f"the skipped-cycle warning points at {files}"
 
 
+def _fsdp2_model():
+    """A one-rank FSDP2 model (a Gloo group of one process made here when none exists) and the
+    function that ends that group."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    made = not dist.is_initialized()
+    if made:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    return model, (dist.destroy_process_group if made else (lambda: None))
+
+
+def _fsdp2_records() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    model, end = _fsdp2_model()
+    try:
+        groups = model[0]._get_fsdp_state()._fsdp_param_groups
+        records = [fp for g in groups for fp in g.fsdp_params]
+        assert {id(fp.sharded_param) for fp in records} == {id(p) for p in model[0].parameters()}
+        assert all(fp.fsdp_placement.dim == 0 for fp in records)
+        assert isinstance(model[0], FSDPModule) and all(g.reduce_grads for g in groups)
+        model.set_requires_gradient_sync(False)
+        assert not any(g.reduce_grads for g in groups), "reduce_grads does not follow sync"
+    finally:
+        end()
+
+
+def _fsdp2_unsharded() -> None:
+    model, end = _fsdp2_model()
+    try:
+        model.set_requires_gradient_sync(False)
+        model(torch.ones(2, 3)).sum().backward()  # the first forward makes them
+        groups = model[0]._get_fsdp_state()._fsdp_param_groups
+        records = [fp for g in groups for fp in g.fsdp_params]
+        params = [fp._unsharded_param for fp in records]
+        first = [p.grad.clone() for p in params]
+        for p in params:
+            p.register_hook(lambda g: g * 3.0)
+        model(torch.ones(2, 3)).sum().backward()  # sync off: FSDP2 adds into these gradients
+        for p, g in zip(params, first):
+            torch.testing.assert_close(p.grad, 4.0 * g, msg="a hook's result was not added in")
+    finally:
+        end()
+
+
 PROBES: dict[str, Callable[[], None]] = {
     _glue.REACHES[0].target: _hook_dicts,
     _glue.REACHES[1].target: _global_hooks,
@@ -130,6 +184,8 @@ PROBES: dict[str, Callable[[], None]] = {
     _glue.REACHES[6].target: _tensor_version,
     _glue.REACHES[7].target: _tensor_impl_layout,
     _glue.REACHES[8].target: _sync_patch,
+    _glue.REACHES[9].target: _fsdp2_records,
+    _glue.REACHES[10].target: _fsdp2_unsharded,
     _reaches.REACHES[0].target: _frames,
 }
 REACHES = _glue.REACHES + _reaches.REACHES

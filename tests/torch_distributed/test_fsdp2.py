@@ -1,9 +1,11 @@
 """FSDP2 (``fully_shard``) models through the wrapper: Gloo on localhost, 2 and 4 ranks.
 
 Every rank trains its shard of the same model on its own uneven micro-batches, the weight of
-each named before its backward; the result must equal one process training the unsharded model
-on the global big batch of every cycle (all ranks' micro-batches together). One spawn per world
-size runs every scenario, to keep the processes' start-up cost once.
+each named before its backward, with FSDP2's gradient sync on (a reduce-scatter per micro-batch)
+and off until each cycle's last backward (one per cycle); the result must equal one process
+training the unsharded model on the global big batch of every cycle (all ranks' micro-batches
+together). One spawn per world size runs every scenario, to keep the processes' start-up cost
+once.
 """
 
 from __future__ import annotations
@@ -90,6 +92,19 @@ def _steps(world: int, rank: int) -> list[tuple[torch.Tensor, bool]]:
     return out
 
 
+def _sync_plan(steps) -> list[bool]:
+    """For each micro-step of ``steps``, whether its backward runs with gradient sync on when
+    sync is kept off until the boundary: the last micro-batch of each cycle (a full cycle's
+    K-th, or the one flush() follows)."""
+    out, phase = [], 0
+    for _, flush in steps:
+        phase += 1
+        out.append(phase == K or flush)
+        if phase == K or flush:
+            phase = 0
+    return out
+
+
 def _build(kind: str, options: dict, mesh=None, mp=None):
     model = _net()
     _shard(model, mesh, mp)
@@ -97,9 +112,11 @@ def _build(kind: str, options: dict, mesh=None, mp=None):
     return model, opt
 
 
-def _run_steps(model, opt, steps) -> None:
+def _run_steps(model, opt, steps, sync_off: bool = False) -> None:
     x, y = _data()
-    for idx, flush in steps:
+    for (idx, flush), sync in zip(steps, _sync_plan(steps)):
+        if sync_off:
+            model.set_requires_gradient_sync(sync)
         with accumulate(model, opt, weight=len(idx)):
             F.mse_loss(model(x[idx]), y[idx]).backward()
         opt.step(weight=len(idx))
@@ -112,10 +129,21 @@ def _full(model) -> dict:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(rank: int, world: int, kind: str, options: dict, mesh=None, mp=None) -> dict:
+def _train(
+    rank: int,
+    world: int,
+    kind: str,
+    options: dict,
+    mesh=None,
+    mp=None,
+    sync_off: bool = False,
+    calls: list | None = None,
+) -> dict:
     model, opt = _build(kind, options, mesh, mp)
-    _run_steps(model, opt, _steps(world, rank))
+    _run_steps(model, opt, _steps(world, rank), sync_off)
     state = _full(model)
+    if calls is not None:  # FSDP2's reduce-scatters (the wrapper's, one per group and call)
+        calls.append(opt._loop.fsdp.comm.calls)
     del opt, model
     gc.collect()
     return state
@@ -198,13 +226,24 @@ def _refusals() -> list[str]:
     out.append(str(e.value))
     opt.step()  # weight 1, as the reduction had it
     assert opt.micro_step == 1
-    # FSDP2's own accumulation without sync sums unweighted, unreduced gradients: refused.
+    # Gradient sync off: the micro-batch stays unreduced in FSDP2's unsharded gradients, so
+    # neither a flush nor a checkpoint can take the cycle, and the cycle's last backward must
+    # reduce: each refused, nothing counted.
     model.set_requires_gradient_sync(False)
     F.mse_loss(model(x[:4]), y[:4]).backward()
-    with pytest.raises(ValueError, match="set_requires_gradient_sync") as e:
+    opt.step()
+    assert opt.micro_step == 2
+    for call, what in ((opt.flush, "flush()"), (opt.state_dict, "state_dict()")):
+        with pytest.raises(ValueError, match="set_requires_gradient_sync") as e:
+            call()
+        assert str(e.value).startswith(what) and opt.micro_step == 2
+        out.append(str(e.value))
+    F.mse_loss(model(x[:4]), y[:4]).backward()
+    with pytest.raises(ValueError, match="last micro-step of a cycle") as e:
         opt.step()
-    assert opt.micro_step == 1
+    assert opt.micro_step == 2
     out.append(str(e.value))
+    model.set_requires_gradient_sync(True)
     # AGC's units (rows) of a parameter sharded on dimension 1 span ranks.
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
     fully_shard(model[0], shard_placement_fn=lambda p: Shard(p.dim() - 1))
@@ -298,7 +337,12 @@ def _worker(rank: int, port: int, out_dir: str, world: int) -> None:
         results = {}
         for name, (kind, options) in SCENARIOS.items():
             ref = _reference(world, kind, options)
-            results[name] = _error(_train(rank, world, kind, options), ref)
+            calls: list = []
+            results[name] = _error(_train(rank, world, kind, options, calls=calls), ref)
+            results[name + "_sync_off"] = _error(
+                _train(rank, world, kind, options, sync_off=True, calls=calls), ref
+            )
+            results[name + "_reduce_scatters"] = calls
         if world == 4:  # HSDP: 2 replicas × 2 shards
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -314,6 +358,9 @@ def _worker(rank: int, port: int, out_dir: str, world: int) -> None:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             ref = _reference(world, "sgd", {})
             results["bf16_compute"] = _error(_train(rank, world, "sgd", {}, mp=mp), ref)
+            results["bf16_compute_sync_off"] = _error(
+                _train(rank, world, "sgd", {}, mp=mp, sync_off=True), ref
+            )
             results["bf16_own_recipe"] = _error(_own_recipe(rank, world, mp, "sgd"), ref)
             results["bf16_adamw_grad"] = _first_gradients_bf16(rank, world, mp)
             results["resume_bitwise"] = _resume(rank, world, out_dir)
@@ -330,12 +377,21 @@ BF16_TOL = 1e-3  # bf16 forward and backward passes against the fp32 big batch
 def test_fsdp2_matches_big_batch(world, tmp_path):
     results = run_ranks(_worker, world, tmp_path, world, timeout_s=240)
     for rank, res in enumerate(results):
+        micro_steps = 2 * K + 2  # per rank: two full cycles and a short one
         for name in SCENARIOS:
             assert res[name] <= TOL, f"rank {rank}, {name}: {res[name]:.3g} of max|w|"
+            off = res[name + "_sync_off"]
+            assert off <= TOL, f"rank {rank}, {name} with sync off: {off:.3g} of max|w|"
+            # One reduce-scatter per FSDP2 group and micro-batch with sync on; per cycle off.
+            on_calls, off_calls = res[name + "_reduce_scatters"]
+            groups = on_calls // micro_steps
+            assert groups >= 3 and on_calls == groups * micro_steps, res
+            assert off_calls == groups * (CYCLES + 1), res
         if world == 4:
             assert res["hsdp_sgd_clip"] <= TOL, res
         else:
             assert res["bf16_compute"] <= BF16_TOL, res
+            assert res["bf16_compute_sync_off"] <= BF16_TOL, res
             # AdamW under bf16: its first gradient through the wrapper is as close to the fp32
             # one as through FSDP2's own recipe (the final weights are not compared: Adam's
             # first step is ±lr for gradients below bf16's rounding, see the docs).
@@ -343,6 +399,6 @@ def test_fsdp2_matches_big_batch(world, tmp_path):
             assert ours <= 2 * recipe, res
             assert fp32_step1
             assert res["resume_bitwise"] is True
-            assert len(res["refusals"]) == 5
+            assert len(res["refusals"]) == 7
             assert res["nonfinite_agreed"] is True
     print({k: v for k, v in results[0].items()})
