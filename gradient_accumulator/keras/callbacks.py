@@ -115,6 +115,25 @@ def _batch_size(data: Any) -> Any:
     return keras.ops.cast(keras.ops.shape(first)[0], "float32")
 
 
+def _relative_batch_size(model: Any, data: Any) -> Any:
+    """JAX: the batch's number of samples relative to the first batch a step was traced for,
+    a constant of the trace (JAX's shapes are static; a batch of another size is another
+    trace). Weights only count relative to each other, and a full batch then weighs exactly 1,
+    which leaves XLA's compiled step what it is without the wrapper: a weight such as 32 (an
+    exact power of two) made XLA compile the backward differently and changed gradients in the
+    last bit, where the plain optimizer must be matched bit for bit."""
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    n = first.shape[0]
+    if not isinstance(n, int):  # not a static size: the size itself
+        return _batch_size(data)
+    unit = getattr(model, "_batch_weight_unit", None)
+    if unit is None:
+        unit = n
+        object.__setattr__(model, "_batch_weight_unit", n)
+    return keras.ops.convert_to_tensor(n / unit, "float32")
+
+
 def weigh_batch(model: Any, *args: Any) -> Any:
     """Write the batch's number of samples into the accumulating optimizer's
     ``counter("batch_weight")`` before a ``train_step`` (``args``: its arguments).
@@ -122,7 +141,8 @@ def weigh_batch(model: Any, *args: Any) -> Any:
     TensorFlow and torch backends: ``args`` is ``(data,)``; the counter is assigned (the
     optimizer is built first if it is not yet, as Keras's first ``apply`` would, so that the
     first batch of an eager run is weighed too). JAX: ``args`` is ``(state, data)`` and the
-    state with the weight in its optimizer values is returned.
+    state with the weight in its optimizer values is returned; the weight there is the size
+    relative to the first batch traced (see :func:`_relative_batch_size`).
     """
     opt = find_accumulator(getattr(model, "optimizer", None))
     if keras.backend.backend() == "jax":
@@ -133,7 +153,7 @@ def weigh_batch(model: Any, *args: Any) -> Any:
         optimizer_values = list(optimizer_values)
         weight = opt.counter("batch_weight")
         index = [id(v) for v in model.optimizer.variables].index(id(weight))
-        optimizer_values[index] = _batch_size(data)
+        optimizer_values[index] = _relative_batch_size(model, data)
         return trainable, non_trainable, optimizer_values, metrics
     (data,) = args
     if opt is not None:
@@ -184,12 +204,6 @@ def _weigh_batches(model: Any, fresh: bool = False) -> None:
     step was dropped; a new function object is set, since ``jax.jit`` keeps its traces per
     function object and would otherwise hand back the step traced with the old settings."""
     if not hasattr(model, "train_step"):
-        return
-    if keras.backend.backend() == "jax":
-        # Not on JAX yet: there a batch weight other than 1 makes the wrapper at accum_steps=1
-        # differ from the plain Adam in the last bit (tests/keras/test_keras_adam_bits.py), a
-        # cause not found yet. A plain model on JAX counts each batch as 1 (as before);
-        # GradientAccumulateModel weighs its batches exactly.
         return
     if getattr(model, "_weighs_batches", False):
         step = getattr(model, "_plain_train_step", None)

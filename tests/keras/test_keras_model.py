@@ -149,10 +149,6 @@ def test_sample_weight_and_uneven_last_batch(run_eagerly):
     assert rel_diff(flat(acc), flat(big)) <= TOL
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() == "jax",
-    reason="a plain model's fit batches are not weighed on JAX yet (see keras/callbacks.py)",
-)
 @EAGER
 @pytest.mark.parametrize("sample_weight", [False, True], ids=["unweighted", "sample-weight"])
 def test_plain_model_with_the_optimizer_wrapper_weighs_a_short_last_batch(
@@ -180,10 +176,6 @@ def test_plain_model_with_the_optimizer_wrapper_weighs_a_short_last_batch(
     assert rel_diff(flat(acc), flat(big)) <= TOL
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() == "jax",
-    reason="a plain model's fit batches are not weighed on JAX yet (see keras/callbacks.py)",
-)
 def test_plain_model_fit_after_train_on_batch_weighs_batches():
     """A train function made before the first ``fit`` (by train_on_batch) is remade by it, so
     ``fit`` weighs the short last batch there too."""
