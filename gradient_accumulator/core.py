@@ -107,6 +107,8 @@ class ApplyResult(NamedTuple):
 
 
 def _check_real(value: Any, name: str) -> float:
+    if type(value) is float:  # the common case, first
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)

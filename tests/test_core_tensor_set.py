@@ -360,3 +360,56 @@ def test_agc_units_of_a_channels_last_weight_are_its_output_channels():
         core.adaptive_clip([wt], [gt])
     with pytest.raises(ValueError, match=r"tensor is not contiguous and its units"):
         core.unitwise_norm(wt)
+
+
+def _adam_sets(dtype=torch.float32, n=4, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(2, 3, generator=g) for _ in range(n)]
+    accs = [torch.randn(2, 3, generator=g) for _ in range(n)]
+    m1 = [torch.zeros(2, 3, dtype=dtype) for _ in range(n)]
+    m2 = [torch.zeros(2, 3, dtype=dtype) for _ in range(n)]
+    return params, accs, m1, m2
+
+
+def test_repeated_apply_on_the_same_sets_matches_lists_bit_for_bit():
+    # The second and later calls on one combination of sets skip the core's checks of the
+    # lists themselves (checked by the first): every call must still equal the list call.
+    on_sets = _adam_sets()
+    on_lists = [[t.clone() for t in group] for group in on_sets]
+    sets = [core.tensor_set(group) for group in on_sets]
+    kw = dict(optimizer="adamw", lr=1e-2, weight_decay=0.1, grad_scale=0.5, reset=False)
+    for step in (1, 2, 3):
+        core.apply(sets[0], sets[1], state1=sets[2], state2=sets[3], step=step, **kw)
+        core.apply(
+            on_lists[0], on_lists[1], state1=on_lists[2], state2=on_lists[3], step=step, **kw
+        )
+    for a, b in zip(sum(on_sets, []), sum(on_lists, [])):
+        assert torch.equal(a, b)
+
+
+def test_sets_that_failed_the_list_checks_are_refused_on_every_call():
+    params, accs, _, _ = _adam_sets()
+    base = torch.zeros(30)
+    overlapping = [base[6 * i : 6 * i + 6].view(2, 3) for i in range(4)]
+    overlapping[3] = base[15:21].view(2, 3)  # shares base[15:18] with overlapping[2]
+    s_params, s_accs = core.tensor_set(overlapping), core.tensor_set(accs)
+    for _ in range(2):
+        before = base.clone()
+        with pytest.raises(ValueError, match="overlaps"):
+            core.apply(s_params, s_accs, optimizer="sgd", lr=0.1, reset=False)
+        assert torch.equal(base, before)
+
+
+def test_sets_checked_for_one_optimizer_are_checked_again_for_another():
+    # SGD without momentum reads no state: the state sets, of a dtype Adam refuses (float64
+    # state for float32 parameters), pass there, and must still be refused for Adam.
+    params, accs, m1, m2 = _adam_sets(dtype=torch.float64)
+    sets = [core.tensor_set(group) for group in (params, accs, m1, m2)]
+    kw = dict(lr=0.1, reset=False)
+    core.apply(sets[0], sets[1], state1=sets[2], state2=sets[3], optimizer="sgd", **kw)
+    core.apply(sets[0], sets[1], state1=sets[2], state2=sets[3], optimizer="sgd", **kw)
+    before = [t.clone() for t in params + accs + m1 + m2]
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"state1\[0\] has dtype float64"):
+            core.apply(sets[0], sets[1], state1=sets[2], state2=sets[3], optimizer="adam", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(before, params + accs + m1 + m2))

@@ -7,6 +7,7 @@
 
 #include "formulas.h"
 #include "internal.h"
+#include "lists_checked.h"
 
 using namespace ga::detail;
 
@@ -78,73 +79,77 @@ namespace ga {
 namespace detail {
 
 void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const char* acc_name,
-                    const char* param_name, ga_device_type device) {
+                    const char* param_name, ga_device_type device, bool lists_checked) {
   validate_options(o, o.clip_coef != nullptr, t.accumulators.size);
   const bool update = o.optimizer != kGaOptimizerNone;
   const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
   const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
   const bool agc = o.clip == kGaClipAgc;
 
-  check_list(t.accumulators, acc_name);
-  if (device == kGaCUDA)
-    check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32});
-  else
-    check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32, kGaFloat64});
   const ga_tensor_list empty{nullptr, 0};
   const ga_tensor_list& params = (update || agc) ? t.params : empty;
-  if (update || agc) {
-    check_list(t.params, param_name);
-    check_same_sizes(t.accumulators, acc_name, t.params, param_name);
-    check_list_dtype_in(t.params, param_name, {kGaFloat32, kGaBFloat16, kGaFloat16});
-  }
-  auto check_state = [&](const ga_tensor_list& s, const char* name) {
-    check_list(s, name);
-    check_same_sizes(t.params, param_name, s, name);
-    for (int64_t i = 0; i < s.size; ++i) {
-      if (s.tensors[i].dtype != t.params.tensors[i].dtype && s.tensors[i].dtype != kGaFloat32) {
-        fail(kGaTypeError, item(name, i),
-             item(name, i) + " has dtype " + dtype_name(s.tensors[i].dtype) +
-                 "; optimizer state must have the parameter's dtype (" +
-                 dtype_name(t.params.tensors[i].dtype) + ") or float32");
-      }
-      if (i > 0 && (s.tensors[i].dtype == kGaFloat32) != (s.tensors[0].dtype == kGaFloat32) &&
-          t.params.tensors[i].dtype != kGaFloat32)
-        fail(kGaTypeError, item(name, i), item(name, i) + ": mixed state dtypes in one call");
-    }
-  };
   const ga_tensor_list& s1 = (momentum || adam) ? t.state1 : empty;
   const ga_tensor_list& s2 = adam ? t.state2 : empty;
-  if (momentum || adam) check_state(t.state1, "state1");
-  if (adam) {
-    check_state(t.state2, "state2");
-    for (int64_t i = 0; i < t.state2.size; ++i)
-      if (t.state2.tensors[i].dtype != t.state1.tensors[i].dtype)
-        fail(kGaTypeError, item("state2", i), item("state2", i) + " and state1 differ in dtype");
-  }
+  const ga_tensor_list& out = (!update) ? t.grads_out : empty;
   if (!update && o.reset && t.grads_out.size == 0)
     fail(kGaInvalidArgument, "reset",
          "reset would erase the gradient written in place; give grads_out or reset=0");
-  const ga_tensor_list& out = (!update) ? t.grads_out : empty;
-  if (!update && t.grads_out.size > 0) {
-    check_list(t.grads_out, "grads_out");
-    check_same_sizes(t.accumulators, acc_name, t.grads_out, "grads_out");
+  // The lists themselves (lengths, dtypes, devices; below, overlaps): unchanged since a call
+  // with the same registered lists and the same list rules passed them (lists_checked).
+  if (!lists_checked) {
+    check_list(t.accumulators, acc_name);
     if (device == kGaCUDA)
-      check_list_dtype_in(t.grads_out, "grads_out", {kGaFloat32, kGaBFloat16, kGaFloat16});
-  }
-  if (device == kGaCUDA) {
-    int32_t id = -1;
-    check_all_cuda({{&t.accumulators, acc_name},
-                    {&params, param_name},
-                    {&s1, "state1"},
-                    {&s2, "state2"},
-                    {&out, "grads_out"}},
-                   &id);
-  } else {
-    check_all_cpu({{&t.accumulators, acc_name},
-                   {&params, param_name},
-                   {&s1, "state1"},
-                   {&s2, "state2"},
-                   {&out, "grads_out"}});
+      check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32});
+    else
+      check_list_dtype_in(t.accumulators, acc_name, {kGaFloat32, kGaFloat64});
+    if (update || agc) {
+      check_list(t.params, param_name);
+      check_same_sizes(t.accumulators, acc_name, t.params, param_name);
+      check_list_dtype_in(t.params, param_name, {kGaFloat32, kGaBFloat16, kGaFloat16});
+    }
+    auto check_state = [&](const ga_tensor_list& s, const char* name) {
+      check_list(s, name);
+      check_same_sizes(t.params, param_name, s, name);
+      for (int64_t i = 0; i < s.size; ++i) {
+        if (s.tensors[i].dtype != t.params.tensors[i].dtype && s.tensors[i].dtype != kGaFloat32) {
+          fail(kGaTypeError, item(name, i),
+               item(name, i) + " has dtype " + dtype_name(s.tensors[i].dtype) +
+                   "; optimizer state must have the parameter's dtype (" +
+                   dtype_name(t.params.tensors[i].dtype) + ") or float32");
+        }
+        if (i > 0 && (s.tensors[i].dtype == kGaFloat32) != (s.tensors[0].dtype == kGaFloat32) &&
+            t.params.tensors[i].dtype != kGaFloat32)
+          fail(kGaTypeError, item(name, i), item(name, i) + ": mixed state dtypes in one call");
+      }
+    };
+    if (momentum || adam) check_state(t.state1, "state1");
+    if (adam) {
+      check_state(t.state2, "state2");
+      for (int64_t i = 0; i < t.state2.size; ++i)
+        if (t.state2.tensors[i].dtype != t.state1.tensors[i].dtype)
+          fail(kGaTypeError, item("state2", i), item("state2", i) + " and state1 differ in dtype");
+    }
+    if (!update && t.grads_out.size > 0) {
+      check_list(t.grads_out, "grads_out");
+      check_same_sizes(t.accumulators, acc_name, t.grads_out, "grads_out");
+      if (device == kGaCUDA)
+        check_list_dtype_in(t.grads_out, "grads_out", {kGaFloat32, kGaBFloat16, kGaFloat16});
+    }
+    if (device == kGaCUDA) {
+      int32_t id = -1;
+      check_all_cuda({{&t.accumulators, acc_name},
+                      {&params, param_name},
+                      {&s1, "state1"},
+                      {&s2, "state2"},
+                      {&out, "grads_out"}},
+                     &id);
+    } else {
+      check_all_cpu({{&t.accumulators, acc_name},
+                     {&params, param_name},
+                     {&s1, "state1"},
+                     {&s2, "state2"},
+                     {&out, "grads_out"}});
+    }
   }
   if (agc) {
     for (int64_t i = 0; i < t.accumulators.size; ++i)
@@ -172,6 +177,7 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
     }
     if (adam) check_fits_float32(o.adam_eps, "eps", why);
   }
+  if (lists_checked) return;
   std::vector<Range> written, read;
   add_ranges(written, t.accumulators, acc_name);
   add_ranges(update ? written : read, params, param_name);
@@ -183,12 +189,18 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
 
 ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_apply_result* result,
                     const char* acc_name, const char* param_name) {
+  return run_apply_lists_checked(tp, op, result, acc_name, param_name, false);
+}
+
+ga_status run_apply_lists_checked(const ga_apply_tensors* tp, const ga_apply_options* op,
+                                  ga_apply_result* result, const char* acc_name,
+                                  const char* param_name, bool lists_checked) {
   return guarded([&] {
     if (tp == nullptr) fail(kGaInvalidArgument, "tensors", "tensors is null");
     if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
     const ga_apply_tensors& t = *tp;
     const ga_apply_options& o = *op;
-    validate_apply(t, o, acc_name, param_name, kGaCPU);
+    validate_apply(t, o, acc_name, param_name, kGaCPU, lists_checked);
     const bool agc = o.clip == kGaClipAgc;
 
     // ---- everything is valid: from here on the call either completes or skips as a whole ----
@@ -282,3 +294,12 @@ extern "C" ga_status ga_apply(const ga_apply_tensors* tensors, const ga_apply_op
                               ga_apply_result* result) {
   return run_apply(tensors, options, result, "accumulators", "params");
 }
+
+namespace ga {
+
+ga_status apply_lists_checked(const ga_apply_tensors* tensors, const ga_apply_options* options,
+                              ga_apply_result* result) {
+  return detail::run_apply_lists_checked(tensors, options, result, "accumulators", "params", true);
+}
+
+}  // namespace ga

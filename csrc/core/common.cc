@@ -207,7 +207,15 @@ void check_disjoint(const std::vector<Range>& written, const std::vector<Range>&
   auto before = [](const Tagged& a, const Tagged& b) {
     return a.begin < b.begin || (a.begin == b.begin && a.w > b.w);
   };
-  if (!std::is_sorted(all.begin(), all.end(), before)) std::sort(all.begin(), all.end(), before);
+  if (!std::is_sorted(all.begin(), all.end(), before)) {
+    // Each list usually is in address order by itself (its tensors allocated one after another):
+    // then the two runs are merged in linear time instead of sorted.
+    const auto mid = all.begin() + static_cast<std::ptrdiff_t>(nw);
+    if (std::is_sorted(all.begin(), mid, before) && std::is_sorted(mid, all.end(), before))
+      std::inplace_merge(all.begin(), mid, all.end(), before);
+    else
+      std::sort(all.begin(), all.end(), before);
+  }
   // Sweep: keep the written range reaching furthest and the any-range reaching furthest.
   const Tagged* far_w = nullptr;
   const Tagged* far_any = nullptr;

@@ -180,8 +180,14 @@ void check_disjoint(const std::vector<Range>& written, const std::vector<Range>&
 void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_list& grads,
                          const ga_accumulate_options* options, ga_device_type device, double* alpha,
                          double* beta);
+/// `lists_checked`: skip the checks of the lists themselves (lengths, dtypes, devices,
+/// overlaps), which a call with the same registered lists and list rules passed before; the
+/// options, the AGC units and the float32 range of the options are checked still.
 void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const char* acc_name,
-                    const char* param_name, ga_device_type device);
+                    const char* param_name, ga_device_type device, bool lists_checked = false);
+ga_status run_apply_lists_checked(const ga_apply_tensors* tp, const ga_apply_options* op,
+                                  ga_apply_result* result, const char* acc_name,
+                                  const char* param_name, bool lists_checked);
 void validate_unitwise_norm(const ga_tensor& tensor, const ga_units& units, const ga_tensor& norms,
                             ga_device_type device);
 void validate_bn_merge(const double* count_a, const ga_tensor& mean_a, const ga_tensor& m2_a,

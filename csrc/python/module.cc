@@ -3,10 +3,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "../core/lists_checked.h"
 #include "dlpack.h"
 #include "gradient_accumulator/cpp.h"
 #include "tensor_set.h"
@@ -18,6 +20,7 @@ using ga::python::same_layouts;
 using ga::python::tensor_list;
 using ga::python::TensorRef;
 using ga::python::Tensors;
+using ga::python::TensorSet;
 
 namespace {
 
@@ -104,9 +107,39 @@ const char* enum_name(const EnumName<E> (&table)[N], E value) {
   return table[0].name;
 }
 
+// A list of (int, "leading" | "trailing") tuples, read without building a string per entry;
+// false for anything else (then converted the general way, with its errors).
+bool parse_units_fast(const py::object& units, size_t n, std::vector<ga_units>& out) {
+  if (!PyList_CheckExact(units.ptr()) || static_cast<size_t>(PyList_GET_SIZE(units.ptr())) != n)
+    return false;
+  out.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* u = PyList_GET_ITEM(units.ptr(), static_cast<Py_ssize_t>(i));
+    if (!PyTuple_CheckExact(u) || PyTuple_GET_SIZE(u) != 2) return false;
+    PyObject* count = PyTuple_GET_ITEM(u, 0);
+    PyObject* layout = PyTuple_GET_ITEM(u, 1);
+    if (!PyLong_CheckExact(count) || !PyUnicode_CheckExact(layout)) return false;
+    const long long c = PyLong_AsLongLong(count);
+    if (c == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    out[i].num_units = c;
+    if (PyUnicode_CompareWithASCIIString(layout, "leading") == 0)
+      out[i].layout = kGaUnitsLeading;
+    else if (PyUnicode_CompareWithASCIIString(layout, "trailing") == 0)
+      out[i].layout = kGaUnitsTrailing;
+    else
+      return false;
+  }
+  return true;
+}
+
 std::vector<ga_units> parse_units(const py::object& units, size_t n) {
   std::vector<ga_units> out;
   if (units.is_none()) return out;
+  if (parse_units_fast(units, n, out)) return out;
+  out.clear();
   auto seq = units.cast<std::vector<std::pair<int64_t, std::string>>>();
   if (seq.size() != n)
     throw py::value_error("units has " + std::to_string(seq.size()) + " entries but there are " +
@@ -145,7 +178,8 @@ void check_unit_span(const ga::python::Layout& l, const std::string& name, const
 
 void check_unit_spans(const Tensors& t, const std::string& name, const std::vector<ga_units>& u) {
   for (size_t i = 0; i < t.layout.size() && i < u.size(); ++i)
-    check_unit_span(*t.layout[i], name + "[" + std::to_string(i) + "]", u[i]);
+    if (!t.layout[i]->contiguous && u[i].num_units > 1)  // the name only where it is checked
+      check_unit_span(*t.layout[i], name + "[" + std::to_string(i) + "]", u[i]);
 }
 
 py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
@@ -238,6 +272,75 @@ void adaptive_clip(py::handle params, py::handle grads, const py::object& units,
     call_core([&] { return ga_adaptive_clip(p.list(), g.list(), u.data(), clip_factor, eps); });
 }
 
+// ---- calls on registered sets: the lists' own checks once ----
+//
+// A registered set's tensors keep the descriptors they were registered with (a call refuses a
+// set whose tensor changed, before the core sees it), so whether a combination of sets passes
+// the core's checks of the lists themselves (lengths, dtypes, devices, overlaps) cannot change
+// either, for the same rules (the optimizer, momentum, AGC). The last combinations that passed
+// are remembered, by identity; a freed set never matches again.
+
+struct CheckedApply {
+  const TensorSet* raw[5] = {};       // null: the list was not passed
+  std::weak_ptr<TensorSet> alive[5];  // while not expired, raw[k] is still that set
+  int optimizer = 0;
+  bool momentum = false;
+  int clip = 0;
+
+  bool expired() const {
+    for (int k = 0; k < 5; ++k)
+      if (raw[k] != nullptr && alive[k].expired()) return true;
+    return false;
+  }
+};
+
+std::vector<CheckedApply>& checked_applies() {
+  static std::vector<CheckedApply> v;
+  return v;
+}
+
+// Every list passed is a registered CPU set (the accumulators at least); lists not passed are
+// empty.
+bool all_sets(const Tensors* const lists[5]) {
+  for (int k = 0; k < 5; ++k)
+    if (lists[k]->set == nullptr && !lists[k]->desc.empty()) return false;
+  return lists[1]->set != nullptr && !lists[1]->is_cuda();
+}
+
+bool lists_checked_before(const Tensors& p, const Tensors& a, const Tensors& s1, const Tensors& s2,
+                          const Tensors& go, const ga_apply_options& o) {
+  const Tensors* const lists[5] = {&p, &a, &s1, &s2, &go};
+  if (!all_sets(lists)) return false;
+  const bool momentum = o.momentum != 0.0;
+  for (const CheckedApply& c : checked_applies()) {
+    if (c.optimizer != o.optimizer || c.momentum != momentum || c.clip != o.clip) continue;
+    bool same = true;
+    for (int k = 0; k < 5 && same; ++k)
+      same = c.raw[k] == lists[k]->set.get() && (c.raw[k] == nullptr || !c.alive[k].expired());
+    if (same) return true;
+  }
+  return false;
+}
+
+void remember_lists_checked(const Tensors& p, const Tensors& a, const Tensors& s1,
+                            const Tensors& s2, const Tensors& go, const ga_apply_options& o) {
+  const Tensors* const lists[5] = {&p, &a, &s1, &s2, &go};
+  if (!all_sets(lists)) return;
+  auto& v = checked_applies();
+  v.erase(std::remove_if(v.begin(), v.end(), [](const CheckedApply& c) { return c.expired(); }),
+          v.end());
+  if (v.size() >= 16) v.erase(v.begin());  // the most recent few
+  CheckedApply c;
+  for (int k = 0; k < 5; ++k) {
+    c.raw[k] = lists[k]->set.get();
+    c.alive[k] = lists[k]->set;
+  }
+  c.optimizer = o.optimizer;
+  c.momentum = o.momentum != 0.0;
+  c.clip = o.clip;
+  v.push_back(c);
+}
+
 /// The fused apply's options as Python builds them (gradient_accumulator.core.apply): the C
 /// struct itself, plus owners for its two pointer fields (the clip coefficient tensor and the AGC
 /// units), which are imported when the call is made.
@@ -301,7 +404,12 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
   }
   if (stats != nullptr) throw py::value_error("stats_out is for CUDA tensors");
   ga_apply_result r{};
-  call_core([&] { return ga_apply(&t, &o, &r); });
+  if (lists_checked_before(p, a, s1, s2, go, o)) {
+    call_core([&] { return ga::apply_lists_checked(&t, &o, &r); });
+  } else {
+    call_core([&] { return ga_apply(&t, &o, &r); });
+    remember_lists_checked(p, a, s1, s2, go, o);
+  }
   out["skipped"] = r.skipped != 0;
   out["grad_norm"] = r.grad_norm >= 0 ? py::cast(r.grad_norm) : py::none();
   out["clip_coef"] = r.clip_coef >= 0 ? py::cast(r.clip_coef) : py::none();
