@@ -192,3 +192,15 @@ def test_jax_flush_is_compiled_once():
     cache = model.optimizer.__dict__["_jax_flush_cache"]
     assert len(cache) == 1
     assert next(iter(cache.values()))._cache_size() == 1
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the TensorFlow flush is a tf.function")
+def test_tf_flush_is_traced_once():
+    """The TensorFlow flush ran eagerly, op by op, at every epoch end (more than the rest of a
+    small epoch's cost over Keras's own accumulation); it is one tf.function, traced once."""
+    model = _accumulating("optimizer")
+    x, y = data(N)
+    model.fit(x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0)
+    cache = model.optimizer.__dict__["_tf_flush_cache"]
+    assert len(cache) == 1
+    assert next(iter(cache.values())).experimental_get_tracing_count() == 1
