@@ -9,17 +9,19 @@ trained with micro-batches of ``--batch`` through ``model.fit``:
 * ``GradientAccumulateOptimizer``: ours, wrapping the same Adam (k batches per update);
 * ``GradientAccumulateModel``: ours, the original package's model wrapper.
 
-Implementations are timed round-robin in the same process (one epoch of each per repeat, after a
-warm-up epoch that compiles the step), and the figure is the median over repeats of the time per
-micro-batch, in wall time and in the process's CPU time, with its ratio to Keras's built-in
-accumulation's. A second table times whole epochs of a digits-sized run (1,437 samples of 64
-features, an MLP 64 → 64 → 10, micro-batches of 32, k = 4: 45 batches, the last one short), where
-a fixed cost per batch (a read of the device's state after each step) shows: the ratio of each
-accumulation to Keras's built-in one, per epoch, in wall time and in the process's CPU time (all
-threads; steadier than wall time on a shared machine). Before timing, each accumulating run's
-weights after one epoch are compared with the built-in accumulation's (same data, Adam, same
-k): the cross-check column shows max|Δw| / max|w| (large for plain fit, which updates every
-batch).
+Implementations are timed round-robin in the same process (one epoch of each per repeat, the order
+rotated every repeat, after a warm-up epoch that compiles the step), and the figure is the median
+over repeats of the time per micro-batch, in wall time and in the process's CPU time; its ratio to
+Keras's built-in accumulation's is the median over repeats of the ratio within each repeat, so
+that a change of the machine's load between repeats moves both sides of a ratio. The load average
+is printed at each backend's start and end. A second table times whole epochs of a digits-sized
+run (1,437 samples of 64 features, an MLP 64 → 64 → 10, micro-batches of 32, k = 4: 45 batches,
+the last one short), where a fixed cost per batch (a read of the device's state after each step)
+shows: the ratio of each accumulation to Keras's built-in one, per epoch, in wall time and in the
+process's CPU time (all threads; steadier than wall time on a shared machine). Before timing, each
+accumulating run's weights after one epoch are compared with the built-in accumulation's (same
+data, Adam, same k): the cross-check column shows max|Δw| / max|w| (large for plain fit, which
+updates every batch).
 
 Usage:
     python benchmarks/keras_step.py                       # tensorflow, jax and torch
@@ -38,6 +40,34 @@ import statistics
 import subprocess
 import sys
 import time
+
+
+def timed_round_robin(fns: dict, repeats: int, scale: float = 1.0) -> tuple[dict, dict]:
+    """Times each of ``fns`` once per repeat, the order rotated every repeat (so no implementation
+    always runs right after the same other one), in wall and CPU time (divided by ``scale``)."""
+    kinds = list(fns)
+    wall: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r in range(repeats):
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            fns[kind]()
+            wall[kind].append((time.perf_counter() - t0) / scale)
+            cpu[kind].append((time.process_time() - c0) / scale)
+    return wall, cpu
+
+
+def paired_ratio(times: dict, kind: str, ref: str = "builtin") -> float:
+    """Median over repeats of ``kind``'s time ÷ ``ref``'s in the same repeat: a change of load
+    between repeats moves both sides of each ratio, unlike a ratio of medians."""
+    return statistics.median(a / b for a, b in zip(times[kind], times[ref]))
+
+
+def load() -> str:
+    try:
+        return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "load average unknown"
 
 
 def run_backend(args: argparse.Namespace) -> dict:
@@ -111,14 +141,9 @@ def run_backend(args: argparse.Namespace) -> dict:
     check = {
         kind: float(np.abs(flat(m) - ref).max() / np.abs(ref).max()) for kind, m in models.items()
     }
-    times: dict[str, list[float]] = {kind: [] for kind in labels}
-    cpu: dict[str, list[float]] = {kind: [] for kind in labels}
-    for _ in range(args.repeats):
-        for kind, model in models.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            fit(model)
-            times[kind].append((time.perf_counter() - t0) / steps)
-            cpu[kind].append((time.process_time() - c0) / steps)
+    times, cpu = timed_round_robin(
+        {kind: (lambda m=m: fit(m)) for kind, m in models.items()}, args.repeats, steps
+    )
     params = sum(int(np.prod(w.shape)) for w in models["plain"].trainable_weights)
     epochs = per_epoch(args, build_small(keras, args), keras, np)
     return dict(
@@ -131,9 +156,9 @@ def run_backend(args: argparse.Namespace) -> dict:
                 kind=kind,
                 label=labels[kind],
                 ms=1e3 * statistics.median(times[kind]),
-                ratio=statistics.median(times[kind]) / statistics.median(times["builtin"]),
+                ratio=paired_ratio(times, kind),
                 cpu_ms=1e3 * statistics.median(cpu[kind]),
-                cpu_ratio=statistics.median(cpu[kind]) / statistics.median(cpu["builtin"]),
+                cpu_ratio=paired_ratio(cpu, kind),
                 check=check[kind],
             )
             for kind in labels
@@ -185,24 +210,17 @@ def per_epoch(args: argparse.Namespace, models: dict, keras, np) -> list[dict]:
 
     for _, model in models.values():  # warm-up: compiles the step
         fit(model)
-    times: dict[str, list[float]] = {kind: [] for kind in models}
-    cpu: dict[str, list[float]] = {kind: [] for kind in models}
-    for _ in range(args.epoch_repeats):
-        for kind, (_, model) in models.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            fit(model)
-            times[kind].append(time.perf_counter() - t0)
-            cpu[kind].append(time.process_time() - c0)
-    ref = statistics.median(times["builtin"])
-    ref_cpu = statistics.median(cpu["builtin"])
+    times, cpu = timed_round_robin(
+        {kind: (lambda m=m: fit(m)) for kind, (_, m) in models.items()}, args.epoch_repeats
+    )
     return [
         dict(
             kind=kind,
             label=label,
             ms=1e3 * statistics.median(times[kind]),
-            ratio=statistics.median(times[kind]) / ref,
+            ratio=paired_ratio(times, kind),
             cpu_ms=1e3 * statistics.median(cpu[kind]),
-            cpu_ratio=statistics.median(cpu[kind]) / ref_cpu,
+            cpu_ratio=paired_ratio(cpu, kind),
         )
         for kind, (label, _) in models.items()
     ]
@@ -249,6 +267,7 @@ def main() -> int:
             continue
         child.append(a)
     for backend in args.backends.split(","):
+        before = load()
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
         out = subprocess.run(
             [sys.executable, __file__, "--child", *child], env=env, capture_output=True, text=True
@@ -258,7 +277,7 @@ def main() -> int:
             continue
         res = json.loads(out.stdout.strip().splitlines()[-1])
         results.append(res)
-        print(f"\n== {backend} ==")
+        print(f"\n== {backend} == ({before} at its start, {load()} at its end)")
         if res["rows"]:
             print(f"per micro-batch ({res['params']:,} parameters, {res['steps']} micro-batches)")
             header = (
