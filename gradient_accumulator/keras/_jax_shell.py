@@ -102,74 +102,7 @@ class StatelessShell:
         choice = _cycle.seen_choice(own["seen"], present)
 
         def update() -> tuple:
-            grads = self._final_grads(
-                own["accs"],
-                self._trainable_variables,
-                trainable_values,
-                self._grad_scale(own["total_weight"], own["loss_scale"]),
-            )
-
-            def inner_update(keep: list[int]) -> tuple[list, list]:
-                if not keep:
-                    return list(trainable_values), list(inner_values)
-                kept = set(keep)
-                with warnings.catch_warnings():
-                    # The inner optimizer drops a None gradient, as wanted, and warns.
-                    warnings.filterwarnings("ignore", message="Gradients do not exist")
-                    tv, inner = self.optimizer.stateless_apply(
-                        inner_values,
-                        [g if i in kept else None for i, g in enumerate(grads)],
-                        trainable_values,
-                    )
-                return list(tv), list(inner)
-
-            def good() -> tuple:
-                tv, inner = _cycle.on_choice(choice, inner_update)
-                if self.mixed_precision:
-                    scale, growth = _cycle.grown_scale(
-                        own["loss_scale"], own["growth"], self._options
-                    )
-                else:
-                    scale, growth = own["loss_scale"], own["growth"]
-                return list(tv), list(inner), scale, growth, own["skipped"]
-
-            def bad() -> tuple:
-                return (
-                    list(trainable_values),
-                    list(inner_values),
-                    own["loss_scale"] * 0.5,
-                    ops.zeros_like(own["growth"]),
-                    own["skipped"],
-                )
-
-            def dropped() -> tuple:
-                return (
-                    list(trainable_values),
-                    list(inner_values),
-                    own["loss_scale"],
-                    own["growth"],
-                    own["skipped"] + 1,
-                )
-
-            if self.mixed_precision:
-                out = ops.cond(ops.greater(own["nonfinite"], 0.0), bad, good)
-            elif self._drops_nonfinite():
-                # The cycle's final gradient itself is checked (NaN/Inf of any micro-batch,
-                # or a sum that overflowed float32).
-                out = ops.cond(_cycle.all_finite(grads), good, dropped)
-            else:
-                out = good()
-            tv, inner, scale, growth, skipped = out
-            return (
-                tv,
-                inner,
-                scale,
-                growth,
-                ops.zeros_like(own["micro_step"]),
-                ops.zeros_like(own["total_weight"]),
-                ops.zeros_like(own["nonfinite"]),
-                skipped,
-            )
+            return self._stateless_update(own, inner_values, trainable_values, choice)
 
         def keep() -> tuple:
             return (list(trainable_values), list(inner_values), *[own[k] for k in carried])
@@ -178,6 +111,78 @@ class StatelessShell:
         own = dict(own)
         own.update(zip(carried, rest))
         return tv, own, inner
+
+    def _stateless_update(
+        self, own: dict, inner_values: list, trainable_values: list, choice: tuple
+    ) -> tuple:
+        """The boundary branch of ``_stateless_cycle_end``: the update (unless the cycle is
+        non-finite), the loss scale, the counters reset."""
+        grads = self._final_grads(
+            own["accs"],
+            self._trainable_variables,
+            trainable_values,
+            self._grad_scale(own["total_weight"], own["loss_scale"]),
+        )
+
+        def inner_update(keep: list[int]) -> tuple[list, list]:
+            if not keep:
+                return list(trainable_values), list(inner_values)
+            kept = set(keep)
+            with warnings.catch_warnings():
+                # The inner optimizer drops a None gradient, as wanted, and warns.
+                warnings.filterwarnings("ignore", message="Gradients do not exist")
+                tv, inner = self.optimizer.stateless_apply(
+                    inner_values,
+                    [g if i in kept else None for i, g in enumerate(grads)],
+                    trainable_values,
+                )
+            return list(tv), list(inner)
+
+        def good() -> tuple:
+            tv, inner = _cycle.on_choice(choice, inner_update)
+            if self.mixed_precision:
+                scale, growth = _cycle.grown_scale(own["loss_scale"], own["growth"], self._options)
+            else:
+                scale, growth = own["loss_scale"], own["growth"]
+            return list(tv), list(inner), scale, growth, own["skipped"]
+
+        def bad() -> tuple:
+            return (
+                list(trainable_values),
+                list(inner_values),
+                own["loss_scale"] * 0.5,
+                ops.zeros_like(own["growth"]),
+                own["skipped"],
+            )
+
+        def dropped() -> tuple:
+            return (
+                list(trainable_values),
+                list(inner_values),
+                own["loss_scale"],
+                own["growth"],
+                own["skipped"] + 1,
+            )
+
+        if self.mixed_precision:
+            out = ops.cond(ops.greater(own["nonfinite"], 0.0), bad, good)
+        elif self._drops_nonfinite():
+            # The cycle's final gradient itself is checked (NaN/Inf of any micro-batch,
+            # or a sum that overflowed float32).
+            out = ops.cond(_cycle.all_finite(grads), good, dropped)
+        else:
+            out = good()
+        tv, inner, scale, growth, skipped = out
+        return (
+            tv,
+            inner,
+            scale,
+            growth,
+            ops.zeros_like(own["micro_step"]),
+            ops.zeros_like(own["total_weight"]),
+            ops.zeros_like(own["nonfinite"]),
+            skipped,
+        )
 
     def _jax_stateful(self, grads: list[Any]) -> None:
         tv, ov = self.stateless_apply(

@@ -126,67 +126,8 @@ class StatefulShell:
                 lambda: local,
             )
         if merged:
-            import tensorflow as tf
-            from tensorflow.python.distribute import device_util
-
-            # With clipping (or AGC) the cycle's gradient is reduced over the replicas before the
-            # inner update: each replica's accumulators go to the cross-replica context, which
-            # sums them at the boundary (a collective in a replica's branch would need a
-            # merge_call there, which fails across workers).
-            clips = self._clips()
-            local_accs = (
-                [self._accumulators[self._get_variable_index(v)].value for v in variables]
-                if clips
-                else None
-            )
-
-            def cross_replica(
-                distribution: Any, boundary: Any, local: Any, pred: Any, local_accs: Any
-            ) -> Any:
-                # The replicas' verdicts are summed here, in the cross-replica context (an
-                # all-reduce inside a replica's conditional would need a merge_call there),
-                # and only at the boundary: no collective on the other micro-steps.
-                at_boundary = distribution.experimental_local_results(boundary)[0]
-                skip = False
-                if checks:
-                    total = ops.cond(
-                        at_boundary,
-                        lambda: distribution.reduce(tf.distribute.ReduceOp.SUM, local, axis=None),
-                        lambda: ops.convert_to_tensor(0.0, "float32"),
-                    )
-                    skip = ops.greater(total, 0.0)
-                go = ops.logical_and(at_boundary, ops.logical_not(skip))
-                # The seen-flags choice is made here too, in the cross-replica context: an
-                # inner update (which synchronises the replicas) cannot sit in a conditional
-                # of a replica's.
-                if isinstance(pred, bool):
-                    choices = [(go, if_true if pred else if_false)]
-                else:
-                    first = distribution.experimental_local_results(pred)[0]
-                    choices = [
-                        (ops.logical_and(go, first), if_true),
-                        (ops.logical_and(go, ops.logical_not(first)), if_false),
-                    ]
-
-                def update(keep: list[int]) -> None:
-                    reduced = None
-                    if clips and keep:
-                        # One packed all-reduce of the kept accumulators, as Keras's step sends.
-                        destination = device_util.current() or "/device:CPU:0"
-                        reduced = distribution.extended.batch_reduce_to(
-                            tf.distribute.ReduceOp.SUM,
-                            [(local_accs[i], destination) for i in keep],
-                        )
-                    distribution.extended.call_for_each_replica(
-                        self._inner_update, args=(variables, keep, reduced)
-                    )
-
-                for when, keep in choices:
-                    ops.cond(when, lambda keep=keep: update(keep), lambda: None)
-                return skip
-
-            skip = tf.distribute.get_replica_context().merge_call(
-                cross_replica, args=(boundary, nonfinite, pred, local_accs)
+            skip = self._merged_boundary(
+                boundary, nonfinite, (pred, if_true, if_false), variables, checks
             )
         else:
             skip = ops.greater(nonfinite, 0.0) if checks else False
@@ -214,6 +155,75 @@ class StatefulShell:
         )
         self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
         self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
+
+    def _merged_boundary(
+        self, boundary: Any, nonfinite: Any, choice: tuple, variables: list[Any], checks: bool
+    ) -> Any:
+        """The boundary under a strategy with merge_call: decided and applied in the
+        cross-replica context; returns whether the cycle is skipped."""
+        pred, if_true, if_false = choice
+        import tensorflow as tf
+        from tensorflow.python.distribute import device_util
+
+        # With clipping (or AGC) the cycle's gradient is reduced over the replicas before the
+        # inner update: each replica's accumulators go to the cross-replica context, which
+        # sums them at the boundary (a collective in a replica's branch would need a
+        # merge_call there, which fails across workers).
+        clips = self._clips()
+        local_accs = (
+            [self._accumulators[self._get_variable_index(v)].value for v in variables]
+            if clips
+            else None
+        )
+
+        def cross_replica(
+            distribution: Any, boundary: Any, local: Any, pred: Any, local_accs: Any
+        ) -> Any:
+            # The replicas' verdicts are summed here, in the cross-replica context (an
+            # all-reduce inside a replica's conditional would need a merge_call there),
+            # and only at the boundary: no collective on the other micro-steps.
+            at_boundary = distribution.experimental_local_results(boundary)[0]
+            skip = False
+            if checks:
+                total = ops.cond(
+                    at_boundary,
+                    lambda: distribution.reduce(tf.distribute.ReduceOp.SUM, local, axis=None),
+                    lambda: ops.convert_to_tensor(0.0, "float32"),
+                )
+                skip = ops.greater(total, 0.0)
+            go = ops.logical_and(at_boundary, ops.logical_not(skip))
+            # The seen-flags choice is made here too, in the cross-replica context: an
+            # inner update (which synchronises the replicas) cannot sit in a conditional
+            # of a replica's.
+            if isinstance(pred, bool):
+                choices = [(go, if_true if pred else if_false)]
+            else:
+                first = distribution.experimental_local_results(pred)[0]
+                choices = [
+                    (ops.logical_and(go, first), if_true),
+                    (ops.logical_and(go, ops.logical_not(first)), if_false),
+                ]
+
+            def update(keep: list[int]) -> None:
+                reduced = None
+                if clips and keep:
+                    # One packed all-reduce of the kept accumulators, as Keras's step sends.
+                    destination = device_util.current() or "/device:CPU:0"
+                    reduced = distribution.extended.batch_reduce_to(
+                        tf.distribute.ReduceOp.SUM,
+                        [(local_accs[i], destination) for i in keep],
+                    )
+                distribution.extended.call_for_each_replica(
+                    self._inner_update, args=(variables, keep, reduced)
+                )
+
+            for when, keep in choices:
+                ops.cond(when, lambda keep=keep: update(keep), lambda: None)
+            return skip
+
+        return tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(boundary, nonfinite, pred, local_accs)
+        )
 
     def _clips(self) -> bool:
         """Whether the boundary clips the cycle's gradient (AGC or the wrapper's own clipping)."""
