@@ -450,7 +450,7 @@ class CycleParts:
         if self._drops_nonfinite() and not core_path and self._eager():
             self.report_nonfinite()
 
-    def _end_cycle_now(self, variables: list[Any], present: list[bool], overwrites: bool) -> None:
+    def _flush_cycle(self, variables: list[Any], present: list[bool], overwrites: bool) -> None:
         """End the pending cycle now on the backend's path (``flush``)."""
         if _BACKEND == "jax":
             tv, values = self._jax_flush(tuple(bool(p) for p in present))(

@@ -418,7 +418,7 @@ class GradientAccumulateOptimizer(
         # No current call: the seen flags alone say which variables had a gradient.
         present = list(to_numpy(self._seen) > 0)
         overwrites = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
-        self._end_cycle_now(variables, present, overwrites)
+        self._flush_cycle(variables, present, overwrites)
         if overwrites:
             self._flush_overwrites(present)
         self.report_nonfinite()
