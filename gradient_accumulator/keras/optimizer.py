@@ -1,10 +1,12 @@
 """GradientAccumulateOptimizer: any Keras 3 optimizer stepping once per k micro-batches, exactly.
 
-Three code paths share one arithmetic: a functional one for JAX (``stateless_apply`` with
-``lax.cond``, so non-boundary micro-steps do the accumulate and nothing else), a stateful one in
-backend ops for TensorFlow (compiled by ``tf.function``, replica-local accumulators under
-``tf.distribute``) and eager PyTorch, and the C++ core on the PyTorch backend (one accumulate pass
-per micro-step, one fused apply per cycle).
+This module is the wrapper's public face: Keras's optimizer interface, build, flush, config and
+the settings. Three paths share one arithmetic (``_cycle.py``) and are mixed in from private
+modules: the functional one for JAX (``_jax_shell.py``: ``stateless_apply`` with ``lax.cond``, so
+non-boundary micro-steps do the accumulate and nothing else), the stateful one in backend ops
+for TensorFlow (``_tf_shell.py``: compiled by ``tf.function``, replica-local accumulators under
+``tf.distribute``) and eager PyTorch, and the C++ core on the PyTorch backend (``_core_path.py``:
+one accumulate pass per micro-step, one fused apply per cycle).
 """
 
 from __future__ import annotations
