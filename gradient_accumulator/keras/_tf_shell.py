@@ -1,0 +1,300 @@
+"""The stateful shell of the Keras cycle: TensorFlow graphs and replicas, eager torch off the core.
+
+Folds a micro-batch into the wrapper's variables and ends a cycle in backend ops: under a
+``tf.distribute`` strategy the boundary runs in the cross-replica context (``merge_call``), where
+the replicas' verdicts and, with clipping, their accumulators are reduced once per cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+from keras import ops
+
+from gradient_accumulator.keras import _cycle
+from gradient_accumulator.keras._compat import after
+
+_BACKEND = keras.backend.backend()
+
+
+def _no_merge_call() -> bool:
+    import tensorflow as tf
+
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def _strategy() -> Any:
+    """The active tf.distribute strategy (any number of replicas), or None for the default one.
+
+    A one-replica ``MirroredStrategy`` still runs the step in a replica context whose
+    optimizer updates go through ``merge_call``, so it takes the distributed path too.
+    """
+    if _BACKEND != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+
+
+def _already_reduced(grads_and_vars: Any) -> list:
+    """Stands in for a Keras optimizer's all-reduce of gradients that are reduced already."""
+    return list(grads_and_vars)
+
+
+class StatefulShell:
+    """Mixin of GradientAccumulateOptimizer: the stateful fold and boundary."""
+
+    def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
+        present = [g is not None for g in grads]
+        grads = _cycle.dense(grads, variables)
+        self._stateful_fold(grads, variables, present)
+        # Every op below reads a counter written after the batch, so it is ordered after it.
+        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
+
+    def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
+        accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        in_place = self._options.reduction != "running_mean"
+        if in_place:  # before the counters move: the first micro-step overwrites
+            _cycle.fold_in_place(
+                accs, grads, self._micro_step.value, self._batch_weight.value, self._options
+            )
+        state = _cycle.fold(
+            _cycle.FoldState(
+                [a.value for a in accs],
+                self._seen.value,
+                self._total_weight.value,
+                self._nonfinite.value,
+                self._micro_step.value,
+                self._iterations.value,
+            ),
+            grads,
+            self._batch_weight.value,
+            self._options,
+            present,
+            accs_in_place=in_place,
+        )
+        if not in_place:
+            for acc, value in zip(accs, state.accs):
+                acc.assign(value)
+        if self.mixed_precision:
+            self._nonfinite.assign(state.nonfinite)
+        with after(grads[:1]):
+            self._seen.assign(state.seen)
+            self._total_weight.assign(state.total_weight)
+            # Counted by increments, as replicas under tf.distribute count them.
+            self._micro_step.assign_add(1)
+            self._iterations.assign_add(1)
+
+    def _end_cycle(self, boundary: Any, variables: list[Any], present: list[bool]) -> None:
+        """If ``boundary``: update (unless the cycle was non-finite), rescale, reset counters.
+
+        ``present``: which variables have a gradient in the current call (see ``_seen_choice``).
+
+        Only the inner update sits in a conditional; the counters and the loss scale are
+        selected outside it, so no replica synchronisation happens inside a branch.
+        """
+        strategy = _strategy()
+        nonfinite = self._nonfinite.value
+        drops = self._drops_nonfinite()
+        if drops or (self.mixed_precision and strategy is not None):
+            # The cycle's result itself is checked, once, at the boundary: a NaN or Inf of any
+            # micro-batch reaches it, and so does a finite sum that overflows float32. Under a
+            # strategy this is also the loss scaler's check: the per-micro-step flag is a
+            # first-replica variable, which would not see another replica's NaN.
+            accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+            scale = self._grad_scale(self._total_weight, self._loss_scale)
+            nonfinite = ops.cond(
+                boundary,
+                lambda: ops.cast(
+                    ops.logical_not(_cycle.all_finite([a.value * scale for a in accs])), "float32"
+                ),
+                lambda: ops.convert_to_tensor(0.0, "float32"),
+            )
+        checks = self.mixed_precision or drops
+        merged = strategy is not None and not _no_merge_call()
+        pred, if_true, if_false = _cycle.seen_choice(self._seen.value, present)
+        if strategy is not None and checks and not merged:
+            import tensorflow as tf
+
+            ctx = tf.distribute.get_replica_context()
+            local = nonfinite
+            nonfinite = ops.cond(
+                boundary,
+                lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, local),
+                lambda: local,
+            )
+        if merged:
+            skip = self._merged_boundary(
+                boundary, nonfinite, (pred, if_true, if_false), variables, checks
+            )
+        else:
+            skip = ops.greater(nonfinite, 0.0) if checks else False
+            do_update = ops.logical_and(boundary, ops.logical_not(skip))
+            ops.cond(
+                do_update,
+                lambda: _cycle.on_choice(
+                    (pred, if_true, if_false), lambda keep: self._inner_update(variables, keep)
+                ),
+                lambda: None,
+            )
+        if self.mixed_precision:
+            scale, growth = _cycle.grown_scale(
+                self._loss_scale.value, self._growth.value, self._options
+            )
+            scale = ops.where(skip, self._loss_scale * 0.5, scale)
+            growth = ops.where(skip, ops.zeros_like(growth), growth)
+            self._loss_scale.assign(ops.where(boundary, scale, self._loss_scale))
+            self._growth.assign(ops.where(boundary, growth, self._growth))
+        if drops:
+            dropped = ops.logical_and(boundary, skip)
+            self._skipped.assign(ops.where(dropped, self._skipped + 1, self._skipped))
+        self._micro_step.assign(
+            ops.where(boundary, ops.zeros_like(self._micro_step.value), self._micro_step)
+        )
+        self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
+        self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
+
+    def _merged_boundary(
+        self, boundary: Any, nonfinite: Any, choice: tuple, variables: list[Any], checks: bool
+    ) -> Any:
+        """The boundary under a strategy with merge_call: decided and applied in the
+        cross-replica context; returns whether the cycle is skipped."""
+        pred, if_true, if_false = choice
+        import tensorflow as tf
+        from tensorflow.python.distribute import device_util
+
+        # With clipping (or AGC) the cycle's gradient is reduced over the replicas before the
+        # inner update: each replica's accumulators go to the cross-replica context, which
+        # sums them at the boundary (a collective in a replica's branch would need a
+        # merge_call there, which fails across workers).
+        clips = self._clips()
+        local_accs = (
+            [self._accumulators[self._get_variable_index(v)].value for v in variables]
+            if clips
+            else None
+        )
+
+        def cross_replica(
+            distribution: Any, boundary: Any, local: Any, pred: Any, local_accs: Any
+        ) -> Any:
+            # The replicas' verdicts are summed here, in the cross-replica context (an
+            # all-reduce inside a replica's conditional would need a merge_call there),
+            # and only at the boundary: no collective on the other micro-steps.
+            at_boundary = distribution.experimental_local_results(boundary)[0]
+            skip = False
+            if checks:
+                total = ops.cond(
+                    at_boundary,
+                    lambda: distribution.reduce(tf.distribute.ReduceOp.SUM, local, axis=None),
+                    lambda: ops.convert_to_tensor(0.0, "float32"),
+                )
+                skip = ops.greater(total, 0.0)
+            go = ops.logical_and(at_boundary, ops.logical_not(skip))
+            # The seen-flags choice is made here too, in the cross-replica context: an
+            # inner update (which synchronises the replicas) cannot sit in a conditional
+            # of a replica's.
+            if isinstance(pred, bool):
+                choices = [(go, if_true if pred else if_false)]
+            else:
+                first = distribution.experimental_local_results(pred)[0]
+                choices = [
+                    (ops.logical_and(go, first), if_true),
+                    (ops.logical_and(go, ops.logical_not(first)), if_false),
+                ]
+
+            def update(keep: list[int]) -> None:
+                reduced = None
+                if clips and keep:
+                    # One packed all-reduce of the kept accumulators, as Keras's step sends.
+                    destination = device_util.current() or "/device:CPU:0"
+                    reduced = distribution.extended.batch_reduce_to(
+                        tf.distribute.ReduceOp.SUM,
+                        [(local_accs[i], destination) for i in keep],
+                    )
+                distribution.extended.call_for_each_replica(
+                    self._inner_update, args=(variables, keep, reduced)
+                )
+
+            for when, keep in choices:
+                ops.cond(when, lambda keep=keep: update(keep), lambda: None)
+            return skip
+
+        return tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(boundary, nonfinite, pred, local_accs)
+        )
+
+    def _clips(self) -> bool:
+        """Whether the boundary clips the cycle's gradient (AGC or the wrapper's own clipping)."""
+        return bool(self.use_agc) or any(
+            c is not None for c in (self.clipnorm, self.clipvalue, self.global_clipnorm)
+        )
+
+    def _inner_update(
+        self, variables: list[Any], keep: list[int], reduced: Sequence[Any] | None = None
+    ) -> None:
+        """The inner optimizer's update of ``variables[keep]`` with the cycle's averaged
+        gradient (replica context).
+
+        ``reduced``: the kept accumulators already summed over the replicas (the cross-replica
+        context reduced them); under a strategy with clipping they are reduced here otherwise.
+        """
+        if not keep:
+            return
+        variables = [variables[i] for i in keep]
+        accs = [self._accumulators[self._get_variable_index(v)].value for v in variables]
+        strategy = _strategy()
+        summed = strategy is not None and self._clips()
+        if summed:
+            import tensorflow as tf
+
+            # Clipping needs the gradient summed over the replicas.
+            if reduced is None:
+                reduced = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, accs
+                )
+            accs = list(reduced)
+        grads = self._final_grads(
+            accs,
+            variables,
+            [v.value for v in variables],
+            self._grad_scale(self._total_weight, self._loss_scale),
+        )
+        if not summed:
+            self.optimizer.apply(grads, variables)
+            return
+        # Every replica holds the same clipped gradient: the inner optimizer takes it as it is,
+        # without summing it over the replicas a second time (Keras's TensorFlow optimizers
+        # sum in ``_all_reduce_sum_gradients``; one without it gets 1/R of the gradient, summed
+        # again).
+        chain, opt = [], self.optimizer
+        while opt is not None and all(opt is not o for o in chain):
+            chain.append(opt)
+            opt = getattr(opt, "inner_optimizer", None)
+        if not all(hasattr(o, "_all_reduce_sum_gradients") for o in chain):
+            replicas = strategy.num_replicas_in_sync
+            self.optimizer.apply([g / replicas for g in grads], variables)
+            return
+        for opt in chain:
+            vars(opt)["_all_reduce_sum_gradients"] = _already_reduced
+        try:
+            self.optimizer.apply(grads, variables)
+        finally:
+            for opt in chain:
+                vars(opt).pop("_all_reduce_sum_gradients", None)
+
+    def _tf_flush(self, present: tuple[bool, ...]) -> Any:
+        """The TensorFlow flush's update as one ``tf.function``, cached per seen-flags pattern
+        and setting like the JAX flush (run eagerly, op by op, it cost more per epoch end than
+        the rest of a small epoch's overhead over Keras's own accumulation)."""
+        import tensorflow as tf
+
+        key = self._flush_key(present)
+        cache = self.__dict__.setdefault("_tf_flush_cache", {})  # untracked, never saved
+        if key not in cache:
+            variables = self._trainable_variables
+            cache[key] = tf.function(
+                lambda: self._end_cycle(tf.constant(True), variables, list(present))
+            )
+        return cache[key]
