@@ -413,3 +413,29 @@ def test_sets_checked_for_one_optimizer_are_checked_again_for_another():
         with pytest.raises(TypeError, match=r"state1\[0\] has dtype float64"):
             core.apply(sets[0], sets[1], state1=sets[2], state2=sets[3], optimizer="adam", **kw)
     assert all(torch.equal(a, b) for a, b in zip(before, params + accs + m1 + m2))
+
+
+def test_the_remembered_order_of_written_tensors_never_hides_an_overlap():
+    # The alias check keeps the sorted order of the last written list it saw. A call with the
+    # same written tensors and a gradient that now aliases one of them, or with one written
+    # tensor swapped for a view overlapping another, must still be refused, writing nothing.
+    accs = [torch.zeros(6) for _ in range(5)]
+    grads = [torch.ones(6) for _ in range(5)]
+    s_accs = core.tensor_set(accs)
+    core.accumulate(s_accs, grads)
+    core.accumulate(s_accs, grads)
+    for i in (0, 2, 4):
+        aliased = list(grads)
+        aliased[1] = accs[i]
+        before = [a.clone() for a in accs]
+        with pytest.raises(ValueError, match=rf"accumulators\[{i}\] overlaps grads\[1\]"):
+            core.accumulate(s_accs, aliased)
+        assert all(torch.equal(a, b) for a, b in zip(accs, before))
+    base = torch.zeros(12)
+    swapped = list(accs)
+    swapped[3], swapped[1] = base[:6], base[3:9]
+    with pytest.raises(ValueError, match=r"accumulators\[(1|3)\] overlaps accumulators\[(1|3)\]"):
+        core.accumulate(swapped, grads)
+    assert torch.equal(base, torch.zeros(12))
+    core.accumulate(s_accs, grads)
+    assert all(torch.equal(a, torch.full((6,), 3.0)) for a in accs)

@@ -185,53 +185,52 @@ void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const char*
 }
 
 void check_disjoint(const std::vector<Range>& written, const std::vector<Range>& read) {
-  // Sort all ranges by start; an overlap with a written range is an error. The sort keys are
-  // held by value (no indirection in the comparisons): a call on many tensors sorts them all.
-  struct Tagged {
+  // The written ranges are sorted by start and checked against each other; each read range is
+  // then looked up in them by binary search (reads may overlap each other). A call's written
+  // tensors are mostly the same from call to call (the accumulators, the optimizer state): the
+  // sorted order of the last list seen is kept and reused while its ranges are unchanged, so a
+  // repeated call sorts nothing.
+  struct Span {
     uintptr_t begin, end;
-    uint32_t index;  // into written, then read
-    bool w;
+    uint32_t index;  // into `written`
   };
-  static thread_local std::vector<Tagged> all;
-  all.clear();
-  all.reserve(written.size() + read.size());
-  uint32_t k = 0;
-  for (const Range& r : written) all.push_back({r.begin, r.end, k++, true});
-  for (const Range& r : read) all.push_back({r.begin, r.end, k++, false});
-  const size_t nw = written.size();
-  auto range = [&](const Tagged& t) -> const Range& {
-    return t.index < nw ? written[t.index] : read[t.index - nw];
-  };
-  // Ranges are mostly in address order already (tensors allocated one after another): check
-  // before sorting.
-  auto before = [](const Tagged& a, const Tagged& b) {
-    return a.begin < b.begin || (a.begin == b.begin && a.w > b.w);
-  };
-  if (!std::is_sorted(all.begin(), all.end(), before)) {
-    // Each list usually is in address order by itself (its tensors allocated one after another):
-    // then the two runs are merged in linear time instead of sorted.
-    const auto mid = all.begin() + static_cast<std::ptrdiff_t>(nw);
-    if (std::is_sorted(all.begin(), mid, before) && std::is_sorted(mid, all.end(), before))
-      std::inplace_merge(all.begin(), mid, all.end(), before);
-    else
-      std::sort(all.begin(), all.end(), before);
+  static thread_local std::vector<std::pair<uintptr_t, uintptr_t>> seen;  // the list, in order
+  static thread_local std::vector<Span> sorted;
+  bool same = seen.size() == written.size();
+  for (size_t i = 0; same && i < written.size(); ++i)
+    same = seen[i].first == written[i].begin && seen[i].second == written[i].end;
+  if (!same) {
+    seen.clear();
+    sorted.clear();
+    sorted.reserve(written.size());
+    for (size_t i = 0; i < written.size(); ++i)
+      sorted.push_back({written[i].begin, written[i].end, static_cast<uint32_t>(i)});
+    auto before = [](const Span& a, const Span& b) { return a.begin < b.begin; };
+    if (!std::is_sorted(sorted.begin(), sorted.end(), before))
+      std::sort(sorted.begin(), sorted.end(), before);
+    for (size_t i = 1; i < sorted.size(); ++i) {
+      if (sorted[i - 1].end > sorted[i].begin) {
+        const Range& later = written[sorted[i].index];
+        const Range& earlier = written[sorted[i - 1].index];
+        sorted.clear();
+        fail(kGaInvalidArgument, later.name(),
+             later.name() + " overlaps " + earlier.name() +
+                 " in memory (the buffers must not alias)");
+      }
+    }
+    seen.reserve(written.size());
+    for (const Range& r : written) seen.emplace_back(r.begin, r.end);
   }
-  // Sweep: keep the written range reaching furthest and the any-range reaching furthest.
-  const Tagged* far_w = nullptr;
-  const Tagged* far_any = nullptr;
-  for (const Tagged& t : all) {
-    if (t.w && far_any && far_any->end > t.begin) {
-      fail(kGaInvalidArgument, range(t).name(),
-           range(t).name() + " overlaps " + range(*far_any).name() +
-               " in memory (the buffers must not alias)");
+  // Disjoint and sorted by start, the written ranges are sorted by end too: the first one
+  // ending after a read range starts is the only one that can overlap it.
+  for (const Range& r : read) {
+    auto it = std::upper_bound(sorted.begin(), sorted.end(), r.begin,
+                               [](uintptr_t x, const Span& s) { return x < s.end; });
+    if (it != sorted.end() && it->begin < r.end) {
+      const Range& w = written[it->index];
+      fail(kGaInvalidArgument, w.name(),
+           w.name() + " overlaps " + r.name() + " in memory (the buffers must not alias)");
     }
-    if (!t.w && far_w && far_w->end > t.begin) {
-      fail(kGaInvalidArgument, range(*far_w).name(),
-           range(*far_w).name() + " overlaps " + range(t).name() +
-               " in memory (the buffers must not alias)");
-    }
-    if (t.w && (!far_w || t.end > far_w->end)) far_w = &t;
-    if (!far_any || t.end > far_any->end) far_any = &t;
   }
 }
 

@@ -171,7 +171,7 @@ struct Range {
 void add_ranges(std::vector<Range>& out, const ga_tensor_list& list, const char* name);
 void add_range(std::vector<Range>& out, const ga_tensor& t, const char* name);
 /// Fails with kGaInvalidArgument naming both tensors if any two written ranges overlap, or a
-/// written range overlaps a read range (pairs listed in `allowed_same` may coincide exactly).
+/// written range overlaps a read range (read ranges may overlap each other).
 void check_disjoint(const std::vector<Range>& written, const std::vector<Range>& read);
 
 // ---- validation of each op family, shared by the CPU and CUDA entry points: everything is
