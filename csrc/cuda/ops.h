@@ -115,6 +115,7 @@ struct ApplyOp {
   const float* skip1;       // the norm pass's skip flag, or null
   const float* unit_scale;  // AGC: grad_scale · coefficient of every unit
   int in_place;             // kNone without grads_out: write the gradient into the accumulator
+  const float* adam_dev;    // Adam: {step_size, bc2_sqrt} of the device step counter, or null
 
   template <int U, int W, int L>
   GA_HD double run(const Meta<L>& m, int t, int64_t i, int64_t stride, ThreadState&) const {
@@ -185,6 +186,8 @@ struct ApplyOp {
       load_frag<U, W>(p, stride, w);
       load_frag<U, W>(s1, stride, mm);
       load_frag<U, W>(s2, stride, v);
+      const float step_size = adam_dev != nullptr ? adam_dev[0] : k.step_size;
+      const float bc2_sqrt = adam_dev != nullptr ? adam_dev[1] : k.bc2_sqrt;
       for (int e = 0; e < N; ++e) {
         float gg = g[e];
         if constexpr (O == Opt::kAdam) {
@@ -194,8 +197,8 @@ struct ApplyOp {
         }
         mm[e] = fma_f(k.beta1c, gg - mm[e], mm[e]);
         v[e] = fma_f(k.beta2, v[e], k.one_minus_beta2 * gg * gg);
-        const float denom = div_f(sqrt_f(v[e]), k.bc2_sqrt) + k.adam_eps;
-        w[e] = w[e] - k.step_size * div_f(mm[e], denom);
+        const float denom = div_f(sqrt_f(v[e]), bc2_sqrt) + k.adam_eps;
+        w[e] = w[e] - step_size * div_f(mm[e], denom);
       }
       store_frag<U, W>(s1, stride, mm);
       store_frag<U, W>(s2, stride, v);
@@ -262,6 +265,28 @@ struct NormPost {
       stats->clip_coef = static_cast<float>(coef);
       stats->skipped = (skipped || (skip_flag != nullptr && *skip_flag != 0.0f)) ? 1.0f : 0.0f;
     }
+  }
+};
+
+/// Adam's step counter in device memory: advanced by one only when the update is applied (no
+/// skip flag set), and the bias corrections of the new step written for the apply, with the
+/// arithmetic of formulas::optimizer_scalars. A skipped update leaves the counter as it was.
+struct DeviceStepOp {
+  double lr, beta1, beta2;
+  const float* skip0;  // the caller's skip flag, or null
+  const float* skip1;  // the norm pass's skip flag, or null
+  int64_t* step;       // in/out: the optimizer steps made so far
+  float* out;          // out: {step_size, bc2_sqrt}
+  GA_HD void operator()(int64_t) const {
+    const bool skipped =
+        (skip0 != nullptr && *skip0 != 0.0f) || (skip1 != nullptr && *skip1 != 0.0f);
+    if (skipped) return;  // the apply is a no-op and reads neither value
+    const int64_t s = *step + 1;
+    *step = s;
+    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(s));
+    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(s));
+    out[0] = static_cast<float>(lr / bc1);
+    out[1] = static_cast<float>(std::sqrt(bc2));
   }
 };
 
@@ -555,7 +580,8 @@ void launch_apply(B& b, const Meta<5>& m, int64_t n, const Base& base, bool mome
                   bool agc) {
   auto go = [&](auto mom, auto rst, auto ag) {
     ApplyOp<O, decltype(mom)::value, decltype(rst)::value, decltype(ag)::value, P, S, OutT> op{
-        base.k, base.coef64, base.coef32, base.skip0, base.skip1, base.unit_scale, base.in_place};
+        base.k,     base.coef64,     base.coef32,   base.skip0,
+        base.skip1, base.unit_scale, base.in_place, base.adam_dev};
     b.template chunks<false>(m, op, n, nullptr, nullptr);
   };
   using T = std::true_type;
@@ -586,6 +612,7 @@ struct ApplyBase {
   const float* skip1;
   const float* unit_scale;
   int in_place;
+  const float* adam_dev;
 };
 
 /// Which optimizers an instantiation of apply() can launch, one bit per ga_optimizer. Every
@@ -602,7 +629,7 @@ enum OptimizerSet : unsigned {
 template <typename B, unsigned Set = kSetAll>
 ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
                 const float* skip_flag, ga_cuda_apply_stats* stats, const char* acc_name,
-                const char* param_name) {
+                const char* param_name, int64_t* device_step = nullptr) {
   return detail::guarded([&] {
     if (tp == nullptr) fail(kGaInvalidArgument, "tensors", "tensors is null");
     if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
@@ -616,7 +643,8 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
     const int64_t n = t.accumulators.size;
 
-    // ---- workspace: [coef64 | skip | pad][partials][unit sums w | unit sums g][unit scales] ----
+    // ---- workspace: [coef64 | skip | pad | adam_dev[2] | pad][partials][unit sums w | unit
+    // sums g][unit scales] ----
     const bool norm_pass =
         (o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite;
     int64_t total_chunks = 0;
@@ -635,6 +663,7 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     char* ws = b.workspace(head + part_bytes + 2 * unit_bytes + scale_bytes);
     double* coef64 = reinterpret_cast<double*>(ws);
     float* skip = reinterpret_cast<float*>(ws + 8);
+    float* adam_dev = reinterpret_cast<float*>(ws + 16);
     double* partials = reinterpret_cast<double*>(ws + head);
     double* sum_w = reinterpret_cast<double*>(ws + head + part_bytes);
     double* sum_g = reinterpret_cast<double*>(ws + head + part_bytes + unit_bytes);
@@ -670,14 +699,20 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
                  AgcScaleOp{sum_w, sum_g, unit_scale, o.grad_scale, o.clip_factor, o.agc_eps});
     }
 
+    const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
+    // Adam with a device step counter: o.step is not read; the counter advances on the device.
+    const bool step_on_device = adam && device_step != nullptr;
+    if (step_on_device)
+      b.for_each(1, DeviceStepOp{o.lr, o.beta1, o.beta2, skip_flag, norm_pass ? skip : nullptr,
+                                 device_step, adam_dev});
     ApplyBase base{apply_scalars(o),
                    norm_pass && o.clip == kGaClipGlobalNorm ? coef64 : nullptr,
                    !norm_pass && o.clip == kGaClipGlobalNorm ? o.clip_coef : nullptr,
                    skip_flag,
                    norm_pass ? skip : nullptr,
                    agc ? unit_scale : nullptr,
-                   !update && t.grads_out.size == 0};
-    const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
+                   !update && t.grads_out.size == 0,
+                   step_on_device ? adam_dev : nullptr};
     const bool has_state = momentum || adam;
     // Lists this call does not use are null (chunk_meta skips them); list 1 is always there.
     const ga_tensor_list* lists[5] = {update || agc ? &t.params : nullptr, &t.accumulators,

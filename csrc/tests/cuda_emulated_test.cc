@@ -556,6 +556,80 @@ TEST(CudaEmulated, ApplySkipsOnDeviceFlagsAndStillResets) {
   }
 }
 
+TEST(CudaEmulated, AdamStepCounterOnTheDeviceAdvancesOnlyWhenApplied) {
+  // Four boundaries: applied, skipped by the caller's flag, skipped by a non-finite gradient,
+  // applied. The device counter path must match the host path given steps 4 and 5 bit for bit,
+  // and a skipped boundary must leave params, state and counter exactly as they were, with the
+  // accumulators reset (the skip policy: the cycle starts over).
+  for (ga_optimizer opt : {kGaOptimizerAdam, kGaOptimizerAdamW}) {
+    SCOPED_TRACE(opt == kGaOptimizerAdam ? "Adam" : "AdamW");
+    auto rng = Rng(21);
+    const std::vector<int64_t> sizes = {3, 4099, 0, 256};
+    TensorList p(Cycle({kGaFloat32, kGaBFloat16}, sizes.size()), sizes, 1),
+        s1(kGaFloat32, sizes, 1), s2(kGaFloat32, sizes, 1);
+    p.FillUniform(rng, -1, 1);
+    s1.FillUniform(rng, -0.1, 0.1);
+    s2.FillUniform(rng, 0.0, 0.01);
+    TensorList ph = DeviceCopy(p, 1), s1h = DeviceCopy(s1, 1), s2h = DeviceCopy(s2, 1);
+    TensorList pd = DeviceCopy(p, 1), s1d = DeviceCopy(s1, 1), s2d = DeviceCopy(s2, 1);
+    int64_t counter = 3;  // steps made so far; HostBackend's device memory is host memory
+    int64_t host_step = 3;
+    ga_apply_options o{};
+    o.grad_scale = 0.25;
+    o.clip = kGaClipGlobalNorm;
+    o.max_norm = 0.5;
+    o.skip_nonfinite = 1;
+    o.reset = 1;
+    o.optimizer = opt;
+    o.lr = 1e-2;
+    o.weight_decay = 0.1;
+    o.beta1 = 0.9;
+    o.beta2 = 0.999;
+    o.adam_eps = 1e-8;
+    for (int call = 0; call < 4; ++call) {
+      SCOPED_TRACE(call);
+      const bool skipped = call == 1 || call == 2;
+      TensorList a(kGaFloat32, sizes, 1);
+      a.FillUniform(rng, -2, 2);
+      if (call == 2) a[3].Set(17, std::nan(""));
+      TensorList ah = DeviceCopy(a, 1), ad = DeviceCopy(a, 1);
+      TestTensor flag = DeviceScalar(kGaFloat32, call == 1 ? 1.0 : 0.0);
+      const auto p_before = pd.Values(), s1_before = s1d.Values(), s2_before = s2d.Values();
+      HostBackend b;
+      if (!skipped) ++host_step;
+      o.step = host_step;
+      ga_apply_tensors th{ph.list(), ah.list(), s1h.list(), s2h.list(), {nullptr, 0}};
+      ASSERT_EQ(gc::apply(b, &th, &o, static_cast<const float*>(flag.data()), nullptr,
+                          "accumulators", "params"),
+                kGaOk)
+          << ga_last_error();
+      o.step = 1;  // not read when the counter is on the device
+      ga_apply_tensors td{pd.list(), ad.list(), s1d.list(), s2d.list(), {nullptr, 0}};
+      TestTensor stats(kGaFloat32, 3, 0);
+      ASSERT_EQ(gc::apply(b, &td, &o, static_cast<const float*>(flag.data()),
+                          static_cast<ga_cuda_apply_stats*>(stats.data()), "accumulators", "params",
+                          &counter),
+                kGaOk)
+          << ga_last_error();
+      EXPECT_EQ(counter, host_step);
+      EXPECT_EQ(stats.Get(2), skipped ? 1.0 : 0.0);
+      ExpectListsNear(pd, ph, 0);
+      ExpectListsNear(s1d, s1h, 0);
+      ExpectListsNear(s2d, s2h, 0);
+      for (size_t i = 0; i < ad.size(); ++i)
+        for (double x : ad[i].Values()) ASSERT_EQ(x, 0.0);
+      if (skipped) {
+        EXPECT_EQ(pd.Values(), p_before);
+        EXPECT_EQ(s1d.Values(), s1_before);
+        EXPECT_EQ(s2d.Values(), s2_before);
+      } else {
+        EXPECT_NE(pd.Values(), p_before) << "an applied boundary must move the weights";
+      }
+    }
+    EXPECT_EQ(counter, 5);
+  }
+}
+
 TEST(CudaEmulated, ApplyUsesTheCallersDeviceClipCoefficient) {
   auto rng = Rng(8);
   TensorList p(kGaFloat32, {3000}, 0), a(kGaFloat32, {3000}, 0);
