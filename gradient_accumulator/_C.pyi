@@ -62,6 +62,8 @@ class ApplyOptions:
     clip: str  # "none", "global_norm", "agc"
     clip_coef: Any | None
     units: Sequence[tuple[int, str]] | None
+    step_counters: Sequence[Any] | None  # one float32 scalar per tensor (Adam, AdamW)
+    skip_flag: Any | None  # a float32 scalar: non-zero skips the update
     grad_scale: float
     max_norm: float
     clip_factor: float

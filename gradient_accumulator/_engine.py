@@ -452,10 +452,15 @@ class Cycle:
         and raises the device flag, read with the cycle's one flag read.
         """
         if self.cuda:
+            device = self._device_flag.device
             if index:
-                norm = core.sum_of_squares([self._accs[i] for i in index]).sqrt() * abs(scale)
+                sumsq = core.sum_of_squares([self._accs[i] for i in index])
+                # A device tensor on CUDA; a float where the flag lives in host memory.
+                norm = torch.as_tensor(sumsq, dtype=torch.float64, device=device).sqrt() * abs(
+                    scale
+                )
             else:
-                norm = torch.zeros((), dtype=torch.float64, device=self._device_flag.device)
+                norm = torch.zeros((), dtype=torch.float64, device=device)
             self._device_flag.add_((~(norm <= FLT_MAX)).to(torch.float32))
             return norm
         sumsq, self._sumsq = self._sumsq, None  # used once: the boundary's

@@ -550,6 +550,8 @@ def apply(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     step: int = 1,
+    step_counters: Sequence[Tensor] | None = None,
+    skip_flag: Tensor | None = None,
 ) -> ApplyResult:
     """End-of-cycle update in one fused pass per tensor.
 
@@ -586,6 +588,14 @@ def apply(
         momentum_initialized: False on SGD's first step (buffer ← gradient).
         betas, eps: Adam's coefficients.
         step: the optimizer step this update makes (1 for the first), for bias correction.
+        step_counters: Adam and AdamW, instead of ``step``: one one-element float32 tensor per
+            tensor, on the tensors' device, holding the steps it has made (torch's ``step``
+            state). Each tensor's update uses its own counter + 1, and the counters advance
+            only when the update is applied, decided where the tensors are: on CUDA nothing is
+            read on the host, so a skipped update needs no synchronisation.
+        skip_flag: a one-element float32 tensor on the tensors' device; non-zero skips the
+            update (only ``reset`` acts), as a non-finite gradient with ``skip_nonfinite``
+            would. On CUDA it is read on the device.
 
     Returns:
         ApplyResult (with device tensors for CUDA tensors; ``clip_coef`` may then be a device
@@ -642,6 +652,10 @@ def apply(
     o.beta2 = _check_real(betas[1], "betas[1]")
     o.adam_eps = _check_real(eps, "eps")
     o.step = int(step)
+    if step_counters is not None and optimizer not in ("adam", "adamw"):
+        raise ValueError(f"step_counters is for adam and adamw only, not {optimizer!r}")
+    o.step_counters = step_counters
+    o.skip_flag = skip_flag
     cuda = _cuda_adapter(_first(accumulators))
     stream = _stream(cuda, _first(accumulators))
     stats = cuda.empty(accumulators[0], "float32", (3,), None) if cuda is not None else None

@@ -63,12 +63,15 @@ void validate_options(const ga_apply_options& o, bool has_coef_ptr, int64_t num_
       if (!(o.beta2 >= 0 && o.beta2 < 1))
         fail(kGaInvalidArgument, "beta2", "beta2 must be in [0, 1)");
       check_finite(o.adam_eps, "eps", 0.0, true);
-      if (o.step < 1)
+      if (o.step < 1 && o.step_counters == nullptr)
         fail(kGaInvalidArgument, "step", "step must be >= 1 (the step this update makes)");
       break;
     default:
       fail(kGaInvalidArgument, "optimizer", "unknown optimizer");
   }
+  if (o.step_counters != nullptr && o.optimizer != kGaOptimizerAdam &&
+      o.optimizer != kGaOptimizerAdamW)
+    fail(kGaInvalidArgument, "step_counters", "step_counters is for adam and adamw only");
   check_finite(o.lr, "lr", 0.0, true);
   check_finite(o.weight_decay, "weight_decay", 0.0, true);
 }
@@ -177,15 +180,62 @@ void validate_apply(const ga_apply_tensors& t, const ga_apply_options& o, const 
     }
     if (adam) check_fits_float32(o.adam_eps, "eps", why);
   }
-  if (lists_checked) return;
+  if (o.step_counters != nullptr) {
+    for (int64_t i = 0; i < t.accumulators.size; ++i) {
+      const float* c = o.step_counters[i];
+      if (c == nullptr)
+        fail(kGaInvalidArgument, item("step_counters", i), "a step counter is null");
+      // Device memory is not read on the host: a CUDA counter is trusted as torch's own step.
+      if (device == kGaCPU && !(*c >= 0.0f && *c < 16777216.0f && *c == std::floor(*c)))
+        fail(kGaInvalidArgument, item("step_counters", i),
+             item("step_counters", i) + " must hold a whole number of steps in [0, 2^24), got " +
+                 std::to_string(*c));
+    }
+  }
+  if (lists_checked && o.step_counters == nullptr) return;
   std::vector<Range> written, read;
   add_ranges(written, t.accumulators, acc_name);
   add_ranges(update ? written : read, params, param_name);
   add_ranges(written, s1, "state1");
   add_ranges(written, s2, "state2");
   add_ranges(written, out, "grads_out");
+  if (o.step_counters != nullptr)
+    for (int64_t i = 0; i < t.accumulators.size; ++i) {
+      const uintptr_t b = reinterpret_cast<uintptr_t>(o.step_counters[i]);
+      written.push_back(Range{b, b + sizeof(float), "step_counters", i});
+    }
   check_disjoint(written, read);
 }
+
+namespace {
+
+/// Chunks of one step (`chunks` empty: all of the call's).
+struct StepRun {
+  int64_t step;
+  std::vector<Chunk> chunks;
+};
+
+void step_runs(const ga_apply_options& o, const std::vector<Chunk>& all,
+               std::vector<StepRun>& runs) {
+  if (o.step_counters == nullptr) {
+    runs.resize(1);
+    runs[0].step = o.step;
+    runs[0].chunks.clear();
+    return;
+  }
+  runs.clear();
+  for (const Chunk& c : all) {
+    const int64_t step = static_cast<int64_t>(*o.step_counters[c.tensor]) + 1;
+    auto it =
+        std::find_if(runs.begin(), runs.end(), [&](const StepRun& r) { return r.step == step; });
+    if (it == runs.end()) it = runs.insert(runs.end(), StepRun{step, {}});
+    it->chunks.push_back(c);
+  }
+  if (runs.empty()) runs.push_back(StepRun{1, {}});
+  if (runs.size() == 1) runs[0].chunks.clear();  // every chunk: the call's own array
+}
+
+}  // namespace
 
 ga_status run_apply(const ga_apply_tensors* tp, const ga_apply_options* op, ga_apply_result* result,
                     const char* acc_name, const char* param_name) {
@@ -206,7 +256,7 @@ ga_status run_apply_lists_checked(const ga_apply_tensors* tp, const ga_apply_opt
     // ---- everything is valid: from here on the call either completes or skips as a whole ----
     double grad_norm = -1.0, coef = 1.0;
     const double scale = o.grad_scale;
-    bool skip = false;
+    bool skip = o.skip_flag != nullptr && *o.skip_flag != 0.0f;
     if ((o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite) {
       const double s = list_sumsq(t.accumulators);
       grad_norm = std::sqrt(s) * std::fabs(scale);
@@ -261,16 +311,34 @@ ga_status run_apply_lists_checked(const ga_apply_tensors* tp, const ga_apply_opt
                 static_cast<int64_t>(chunks.size())};
     a.grad_scale64 = scale * coef;
     a.unit_scale64 = agc ? unit_scale64.data() : nullptr;
+    // With a step counter per tensor, the chunks go in runs of one step (Adam's bias
+    // corrections are the kernels' only per-step scalars); otherwise one run of `o.step`.
+    static thread_local std::vector<StepRun> runs;
+    step_runs(o, chunks, runs);
+    auto each_run = [&](auto&& fn) {
+      for (StepRun& r : runs) {
+        ga_apply_options run_o = o;
+        run_o.step = r.step;
+        a.o = &run_o;
+        a.chunks = r.chunks.empty() ? chunks.data() : r.chunks.data();
+        a.num_chunks = r.chunks.empty() ? static_cast<int64_t>(chunks.size())
+                                        : static_cast<int64_t>(r.chunks.size());
+        fn();
+      }
+      a.o = &o;
+    };
     if (o.skip_nonfinite && !skip && !chunks.empty()) {
       // A finite gradient can still give a non-finite result (an overflowing product, Adam's
       // g², a float16 state out of range): compute every value the update would store, store
       // none, and skip the whole call if one is not finite.
       static thread_local std::vector<uint8_t> bad;
-      bad.assign(chunks.size(), 0);
-      a.chunk_nonfinite = bad.data();
-      cpu_kernels().apply(a);
-      a.chunk_nonfinite = nullptr;
-      for (uint8_t b : bad) skip = skip || b != 0;
+      each_run([&] {
+        bad.assign(static_cast<size_t>(a.num_chunks), 0);
+        a.chunk_nonfinite = bad.data();
+        cpu_kernels().apply(a);
+        a.chunk_nonfinite = nullptr;
+        for (uint8_t b : bad) skip = skip || b != 0;
+      });
     }
     if (result) {
       result->skipped = skip ? 1 : 0;
@@ -283,7 +351,9 @@ ga_status run_apply_lists_checked(const ga_apply_tensors* tp, const ga_apply_opt
           cpu_kernels().zero(t.accumulators.tensors[i]);
       return;
     }
-    if (!chunks.empty()) cpu_kernels().apply(a);
+    if (!chunks.empty()) each_run([&] { cpu_kernels().apply(a); });
+    if (o.step_counters != nullptr)
+      for (int64_t i = 0; i < t.accumulators.size; ++i) *o.step_counters[i] += 1.0f;
   });
 }
 

@@ -115,7 +115,7 @@ struct ApplyOp {
   const float* skip1;       // the norm pass's skip flag, or null
   const float* unit_scale;  // AGC: grad_scale · coefficient of every unit
   int in_place;             // kNone without grads_out: write the gradient into the accumulator
-  const float* adam_dev;    // Adam: {step_size, bc2_sqrt} of the device step counter, or null
+  const float* adam_dev;    // Adam: {step_size, bc2_sqrt} of each tensor's step counter, or null
 
   template <int U, int W, int L>
   GA_HD double run(const Meta<L>& m, int t, int64_t i, int64_t stride, ThreadState&) const {
@@ -186,8 +186,8 @@ struct ApplyOp {
       load_frag<U, W>(p, stride, w);
       load_frag<U, W>(s1, stride, mm);
       load_frag<U, W>(s2, stride, v);
-      const float step_size = adam_dev != nullptr ? adam_dev[0] : k.step_size;
-      const float bc2_sqrt = adam_dev != nullptr ? adam_dev[1] : k.bc2_sqrt;
+      const float step_size = adam_dev != nullptr ? adam_dev[2 * t] : k.step_size;
+      const float bc2_sqrt = adam_dev != nullptr ? adam_dev[2 * t + 1] : k.bc2_sqrt;
       for (int e = 0; e < N; ++e) {
         float gg = g[e];
         if constexpr (O == Opt::kAdam) {
@@ -268,25 +268,26 @@ struct NormPost {
   }
 };
 
-/// Adam's step counter in device memory: advanced by one only when the update is applied (no
-/// skip flag set), and the bias corrections of the new step written for the apply, with the
-/// arithmetic of formulas::optimizer_scalars. A skipped update leaves the counter as it was.
-struct DeviceStepOp {
+/// Adam's step counters in device memory, one per tensor of a launch (torch's `step`): each
+/// advanced by one only when the update is applied (no skip flag set), and the bias corrections
+/// of its new step written for the launch's apply (out[2t], out[2t + 1]), with the arithmetic of
+/// formulas::optimizer_scalars. A skipped update leaves every counter as it was.
+struct StepCountersOp {
   double lr, beta1, beta2;
   const float* skip0;  // the caller's skip flag, or null
   const float* skip1;  // the norm pass's skip flag, or null
-  int64_t* step;       // in/out: the optimizer steps made so far
-  float* out;          // out: {step_size, bc2_sqrt}
-  GA_HD void operator()(int64_t) const {
+  float* step[kMaxTensors];
+  float* out;  // {step_size, bc2_sqrt} of every tensor of the launch
+  GA_HD void operator()(int64_t t) const {
     const bool skipped =
         (skip0 != nullptr && *skip0 != 0.0f) || (skip1 != nullptr && *skip1 != 0.0f);
     if (skipped) return;  // the apply is a no-op and reads neither value
-    const int64_t s = *step + 1;
-    *step = s;
+    const float s = *step[t] + 1.0f;
+    *step[t] = s;
     const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(s));
     const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(s));
-    out[0] = static_cast<float>(lr / bc1);
-    out[1] = static_cast<float>(std::sqrt(bc2));
+    out[2 * t] = static_cast<float>(lr / bc1);
+    out[2 * t + 1] = static_cast<float>(std::sqrt(bc2));
   }
 };
 
@@ -629,13 +630,16 @@ enum OptimizerSet : unsigned {
 template <typename B, unsigned Set = kSetAll>
 ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
                 const float* skip_flag, ga_cuda_apply_stats* stats, const char* acc_name,
-                const char* param_name, int64_t* device_step = nullptr) {
+                const char* param_name) {
   return detail::guarded([&] {
     if (tp == nullptr) fail(kGaInvalidArgument, "tensors", "tensors is null");
     if (op == nullptr) fail(kGaInvalidArgument, "options", "options is null");
     const ga_apply_tensors& t = *tp;
     const ga_apply_options& o = *op;
     detail::validate_apply(t, o, acc_name, param_name, kGaCUDA);
+    if (skip_flag != nullptr && o.skip_flag != nullptr)
+      fail(kGaInvalidArgument, "skip_flag", "skip_flag is given twice (argument and options)");
+    if (skip_flag == nullptr) skip_flag = o.skip_flag;
     if (((1u << o.optimizer) & Set) == 0)
       fail(kGaRuntimeError, "", "internal: this apply() was not compiled for the optimizer");
     const bool update = o.optimizer != kGaOptimizerNone;
@@ -643,8 +647,8 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     const bool momentum = o.optimizer == kGaOptimizerSGD && o.momentum != 0.0;
     const int64_t n = t.accumulators.size;
 
-    // ---- workspace: [coef64 | skip | pad | adam_dev[2] | pad][partials][unit sums w | unit
-    // sums g][unit scales] ----
+    // ---- workspace: [coef64 | skip | pad | adam_dev[2 · kMaxTensors]][partials][unit sums w |
+    // unit sums g][unit scales] ----
     const bool norm_pass =
         (o.clip == kGaClipGlobalNorm && o.clip_coef == nullptr) || o.skip_nonfinite;
     int64_t total_chunks = 0;
@@ -656,7 +660,7 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
         ubase[i] = total_units;
         total_units += o.units[i].num_units;
       }
-    const size_t head = 256;
+    const size_t head = round_up(16 + 2 * kMaxTensors * sizeof(float));
     const size_t part_bytes = norm_pass ? round_up(std::max<int64_t>(total_chunks, 1) * 8) : 0;
     const size_t unit_bytes = agc ? round_up(std::max<int64_t>(total_units, 1) * 8) : 0;
     const size_t scale_bytes = agc ? round_up(std::max<int64_t>(total_units, 1) * 4) : 0;
@@ -700,11 +704,15 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
     }
 
     const bool adam = o.optimizer == kGaOptimizerAdam || o.optimizer == kGaOptimizerAdamW;
-    // Adam with a device step counter: o.step is not read; the counter advances on the device.
-    const bool step_on_device = adam && device_step != nullptr;
-    if (step_on_device)
-      b.for_each(1, DeviceStepOp{o.lr, o.beta1, o.beta2, skip_flag, norm_pass ? skip : nullptr,
-                                 device_step, adam_dev});
+    // Adam with step counters on the device: o.step is not read; each launch advances its
+    // tensors' counters and writes their bias corrections into adam_dev before it runs.
+    const bool step_on_device = adam && o.step_counters != nullptr;
+    auto advance = [&](const std::vector<int64_t>& idx) {
+      StepCountersOp op{o.lr, o.beta1, o.beta2, skip_flag, norm_pass ? skip : nullptr,
+                        {},   adam_dev};
+      for (size_t j = 0; j < idx.size(); ++j) op.step[j] = o.step_counters[idx[j]];
+      b.for_each(static_cast<int64_t>(idx.size()), op);
+    };
     ApplyBase base{apply_scalars(o),
                    norm_pass && o.clip == kGaClipGlobalNorm ? coef64 : nullptr,
                    !norm_pass && o.clip == kGaClipGlobalNorm ? o.clip_coef : nullptr,
@@ -736,6 +744,7 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
           if (u.layout == kGaUnitsTrailing && u.num_units > 1) m.trailing |= uint64_t(1) << j;
         }
       }
+      if (step_on_device) advance(idx);
       const auto dtypes = key(idx[0]);
       const ga_dtype pd = std::get<0>(dtypes), sd = std::get<1>(dtypes), od = std::get<2>(dtypes);
       visit_float(pd, [&](auto pv) {
@@ -765,6 +774,15 @@ ga_status apply(B& b, const ga_apply_tensors* tp, const ga_apply_options* op,
           }
         });
       });
+    }
+    if (step_on_device) {  // empty tensors make no launch; their counters advance too
+      std::vector<int64_t> empty;
+      for (int64_t i = 0; i < n; ++i) {
+        if (t.accumulators.tensors[i].numel != 0) continue;
+        empty.push_back(i);
+        if (empty.size() == static_cast<size_t>(kMaxTensors)) advance(empty), empty.clear();
+      }
+      if (!empty.empty()) advance(empty);
     }
   });
 }

@@ -348,6 +348,8 @@ struct ApplyOptions {
   ga_apply_options o{};
   py::object clip_coef = py::none();
   py::object units = py::none();
+  py::object step_counters = py::none();
+  py::object skip_flag = py::none();
 };
 
 py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py::handle state2,
@@ -356,6 +358,8 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
   ga_apply_options o = options.o;
   o.clip_coef = nullptr;
   o.units = nullptr;
+  o.step_counters = nullptr;
+  o.skip_flag = nullptr;
   const py::object& clip_coef = options.clip_coef;
   const py::object& units = options.units;
   const bool update = o.optimizer != kGaOptimizerNone;
@@ -380,9 +384,30 @@ py::dict apply(py::handle params, py::handle accumulators, py::handle state1, py
                                           : "clip_coef must be on the CPU for CPU tensors");
     o.clip_coef = static_cast<const float*>(coef.desc.data);
   }
-  TensorRef stats_ref;
+  TensorRef stats_ref, skip_ref;
   auto* stats = scalar_out<ga_cuda_apply_stats>(stats_out, "stats_out", kGaFloat32, 3, dev,
                                                 a.device_id(), stats_ref);
+  o.skip_flag = scalar_out<float>(options.skip_flag, "skip_flag", kGaFloat32, 1, dev, a.device_id(),
+                                  skip_ref);
+  // One float32 counter per tensor, on the tensors' device, written in place.
+  std::vector<TensorRef> counter_refs;
+  std::vector<float*> counters;
+  if (!options.step_counters.is_none()) {
+    const py::object& sc = options.step_counters;
+    if (py::isinstance<py::str>(sc) || !py::isinstance<py::sequence>(sc))
+      throw py::type_error("step_counters must be a list of tensors");
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(sc);
+    if (seq.size() != a.desc.size())
+      throw py::value_error("step_counters has " + std::to_string(seq.size()) +
+                            " tensors but accumulators has " + std::to_string(a.desc.size()));
+    counter_refs.resize(seq.size());
+    for (size_t i = 0; i < seq.size(); ++i) {
+      const std::string name = "step_counters[" + std::to_string(i) + "]";
+      counters.push_back(scalar_out<float>(seq[i], name.c_str(), kGaFloat32, 1, dev, a.device_id(),
+                                           counter_refs[i]));
+    }
+    o.step_counters = counters.data();
+  }
   if (!units.is_none() && p.desc.size() != a.desc.size())
     throw py::value_error("params has " + std::to_string(p.desc.size()) +
                           " tensors but accumulators has " + std::to_string(a.desc.size()));
@@ -513,7 +538,9 @@ PYBIND11_MODULE(_C, m) {
             a.o.clip = enum_from_name(kClipNames, v, "clip");
           })
       .def_readwrite("clip_coef", &ApplyOptions::clip_coef)
-      .def_readwrite("units", &ApplyOptions::units);
+      .def_readwrite("units", &ApplyOptions::units)
+      .def_readwrite("step_counters", &ApplyOptions::step_counters)
+      .def_readwrite("skip_flag", &ApplyOptions::skip_flag);
   // Every number of the C struct, under its C name, as its C type (int flags as bool).
 #define GA_APPLY_OPTION(field, type)                                              \
   opts.def_property(                                                              \

@@ -556,11 +556,12 @@ TEST(CudaEmulated, ApplySkipsOnDeviceFlagsAndStillResets) {
   }
 }
 
-TEST(CudaEmulated, AdamStepCounterOnTheDeviceAdvancesOnlyWhenApplied) {
+TEST(CudaEmulated, AdamStepCountersOnTheDeviceAdvanceOnlyWhenApplied) {
   // Four boundaries: applied, skipped by the caller's flag, skipped by a non-finite gradient,
-  // applied. The device counter path must match the host path given steps 4 and 5 bit for bit,
-  // and a skipped boundary must leave params, state and counter exactly as they were, with the
-  // accumulators reset (the skip policy: the cycle starts over).
+  // applied. The device counters must match the host path given steps 4 and 5 bit for bit, and
+  // a skipped boundary must leave params, state and counters exactly as they were, with the
+  // accumulators reset (the skip policy: the cycle starts over). The empty tensor's counter
+  // advances with the others.
   for (ga_optimizer opt : {kGaOptimizerAdam, kGaOptimizerAdamW}) {
     SCOPED_TRACE(opt == kGaOptimizerAdam ? "Adam" : "AdamW");
     auto rng = Rng(21);
@@ -572,7 +573,10 @@ TEST(CudaEmulated, AdamStepCounterOnTheDeviceAdvancesOnlyWhenApplied) {
     s2.FillUniform(rng, 0.0, 0.01);
     TensorList ph = DeviceCopy(p, 1), s1h = DeviceCopy(s1, 1), s2h = DeviceCopy(s2, 1);
     TensorList pd = DeviceCopy(p, 1), s1d = DeviceCopy(s1, 1), s2d = DeviceCopy(s2, 1);
-    int64_t counter = 3;  // steps made so far; HostBackend's device memory is host memory
+    // Steps made so far; HostBackend's device memory is host memory.
+    std::vector<float> counters(sizes.size(), 3.0f);
+    std::vector<float*> counter_ptrs;
+    for (float& c : counters) counter_ptrs.push_back(&c);
     int64_t host_step = 3;
     ga_apply_options o{};
     o.grad_scale = 0.25;
@@ -598,20 +602,22 @@ TEST(CudaEmulated, AdamStepCounterOnTheDeviceAdvancesOnlyWhenApplied) {
       HostBackend b;
       if (!skipped) ++host_step;
       o.step = host_step;
+      o.step_counters = nullptr;
       ga_apply_tensors th{ph.list(), ah.list(), s1h.list(), s2h.list(), {nullptr, 0}};
       ASSERT_EQ(gc::apply(b, &th, &o, static_cast<const float*>(flag.data()), nullptr,
                           "accumulators", "params"),
                 kGaOk)
           << ga_last_error();
-      o.step = 1;  // not read when the counter is on the device
+      o.step = 0;  // not read with counters
+      o.step_counters = counter_ptrs.data();
       ga_apply_tensors td{pd.list(), ad.list(), s1d.list(), s2d.list(), {nullptr, 0}};
       TestTensor stats(kGaFloat32, 3, 0);
-      ASSERT_EQ(gc::apply(b, &td, &o, static_cast<const float*>(flag.data()),
-                          static_cast<ga_cuda_apply_stats*>(stats.data()), "accumulators", "params",
-                          &counter),
-                kGaOk)
+      ASSERT_EQ(
+          gc::apply(b, &td, &o, static_cast<const float*>(flag.data()),
+                    static_cast<ga_cuda_apply_stats*>(stats.data()), "accumulators", "params"),
+          kGaOk)
           << ga_last_error();
-      EXPECT_EQ(counter, host_step);
+      for (float c : counters) EXPECT_EQ(c, static_cast<float>(host_step));
       EXPECT_EQ(stats.Get(2), skipped ? 1.0 : 0.0);
       ExpectListsNear(pd, ph, 0);
       ExpectListsNear(s1d, s1h, 0);
@@ -626,8 +632,61 @@ TEST(CudaEmulated, AdamStepCounterOnTheDeviceAdvancesOnlyWhenApplied) {
         EXPECT_NE(pd.Values(), p_before) << "an applied boundary must move the weights";
       }
     }
-    EXPECT_EQ(counter, 5);
+    EXPECT_EQ(counters[0], 5.0f);
   }
+}
+
+TEST(CudaEmulated, AdamStepCountersOfDifferentStepsMatchTheHostCore) {
+  // Tensors that joined at different times (steps 0, 7, 2, 7, 1) in one call, more tensors than
+  // one launch holds: each is updated with its own bias corrections, as the CPU core with the
+  // same counters (which applies them in runs of one step), and each counter advances by one.
+  auto rng = Rng(22);
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 2 * gc::kMaxTensors + 3; ++i) sizes.push_back(1 + (i * 37) % 300);
+  TensorList p(kGaFloat32, sizes, 0), s1(kGaFloat32, sizes, 0), s2(kGaFloat32, sizes, 0),
+      a(kGaFloat32, sizes, 0);
+  p.FillUniform(rng, -1, 1);
+  s1.FillUniform(rng, -0.1, 0.1);
+  s2.FillUniform(rng, 0.0, 0.01);
+  a.FillUniform(rng, -2, 2);
+  const float pattern[5] = {0, 7, 2, 7, 1};
+  std::vector<float> host_counters, dev_counters;
+  for (size_t i = 0; i < sizes.size(); ++i) host_counters.push_back(pattern[i % 5]);
+  dev_counters = host_counters;
+  std::vector<float*> hp, dp;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    hp.push_back(&host_counters[i]);
+    dp.push_back(&dev_counters[i]);
+  }
+  TensorList pd = DeviceCopy(p, 1), s1d = DeviceCopy(s1, 1), s2d = DeviceCopy(s2, 1),
+             ad = DeviceCopy(a, 1);
+  ga_apply_options o{};
+  o.grad_scale = 0.5;
+  o.optimizer = kGaOptimizerAdamW;
+  o.lr = 1e-2;
+  o.weight_decay = 0.01;
+  o.beta1 = 0.9;
+  o.beta2 = 0.99;
+  o.adam_eps = 1e-8;
+  o.reset = 1;
+  o.step_counters = hp.data();
+  ga_apply_tensors th{p.list(), a.list(), s1.list(), s2.list(), {nullptr, 0}};
+  ASSERT_EQ(ga_apply(&th, &o, nullptr), kGaOk) << ga_last_error();
+  o.step_counters = dp.data();
+  HostBackend b;
+  ga_apply_tensors td{pd.list(), ad.list(), s1d.list(), s2d.list(), {nullptr, 0}};
+  ASSERT_EQ(gc::apply(b, &td, &o, nullptr, nullptr, "accumulators", "params"), kGaOk)
+      << ga_last_error();
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(dev_counters[i], pattern[i % 5] + 1.0f) << i;
+    EXPECT_EQ(host_counters[i], pattern[i % 5] + 1.0f) << i;
+  }
+  // The CPU kernels round in another order (vector FMAs): within 2e-6 as the other CPU/CUDA
+  // comparisons; a wrong step (bias corrections of step 1 against step 8 differ by 5x) is far
+  // outside that.
+  ExpectListsNear(pd, p, 2e-6, 1e-2);
+  ExpectListsNear(s1d, s1, 2e-6, 1e-2);
+  ExpectListsNear(s2d, s2, 2e-6, 1e-2);
 }
 
 TEST(CudaEmulated, ApplyUsesTheCallersDeviceClipCoefficient) {

@@ -18,12 +18,17 @@ from gradient_accumulator.nonfinite import NonFiniteCounter
 from gradient_accumulator.torch import _params, fsdp
 from gradient_accumulator.torch._guards import held_interrupts
 from gradient_accumulator.torch._options import Options
+from gradient_accumulator.torch._outcomes import DeviceOutcomes
 from gradient_accumulator.torch._update import InnerUpdate, LossScale
 from gradient_accumulator.torch._views import GradViews
 from gradient_accumulator.torch.batchnorm import Registered, layers_to_flush
 from gradient_accumulator.torch.distributed import SCALAR_SLOTS, CycleReduction, resolve_group
 
 _UNCHANGED: Any = object()  # a setting of Loop.configure that is not given
+
+# The CUDA path's boundary with the non-finite flag in host memory: set by tests to run that
+# path's logic (device flag, skip and step counters decided by the core) on CPU tensors.
+DEVICE_PATH_ON_CPU = False
 
 
 class StepHooks(NamedTuple):
@@ -90,7 +95,9 @@ class Loop:
         # Python bool, so micro-steps never wait for the GPU; the flag is read once per cycle.
         device = local[0].device
         flag = (
-            torch.zeros((), dtype=torch.float32, device=device) if device.type == "cuda" else None
+            torch.zeros((), dtype=torch.float32, device=device)
+            if device.type == "cuda" or DEVICE_PATH_ON_CPU
+            else None
         )
         self.cycle = Cycle(accs, o.accum_steps, o.reduction, device_flag=flag)
         self.agc_exclude = agc_exclude
@@ -132,8 +139,10 @@ class Loop:
                 )
         self.views = GradViews(self.params, self.cycle) if o.gradient_as_view else None
         self.nonfinite_counter = NonFiniteCounter("GradientAccumulateOptimizer")
-        self.updates = 0
+        self.outcomes = DeviceOutcomes(self.nonfinite_counter)
+        self._updates = 0  # decided on the host; the device-decided ones are in outcomes
         self.flushing = False  # the reduction in progress is a flush's (checked across ranks)
+        self._applied = False
         self.update_applied = False
         self.last_grad_norm: Any = None
         self.batchnorms = Registered()  # AccumBatchNorm layers that follow this cycle
@@ -142,6 +151,41 @@ class Loop:
         # A copy (pickle, deepcopy) holds new parameter objects: the id-keyed index is rebuilt.
         self.__dict__.update(state)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates made so far (reads the device after device-decided boundaries)."""
+        return self._updates + self.outcomes.settle()
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        self.outcomes.clear()
+        self._updates = value
+
+    @property
+    def update_applied(self) -> bool:
+        """Whether the last step or flush updated the weights (reads the device when that was
+        a device-decided boundary)."""
+        skipped = self.outcomes.last_skipped()
+        if skipped is not None:
+            self._applied = not skipped
+        return self._applied
+
+    @update_applied.setter
+    def update_applied(self, value: bool) -> None:
+        self.outcomes.last = None
+        self._applied = value
+
+    def decides_on_device(self, hooks: StepHooks) -> bool:
+        """Whether this boundary can leave the skip to the device: the default configuration
+        on CUDA (no loss scaler, ``on_nonfinite="skip"``, one process, the fused update, no step
+        hooks). Anything that needs the outcome on the host first reads the flag instead."""
+        cycle = self.cycle
+        if not cycle.cuda or cycle.nonfinite or self.scaler.enabled():
+            return False
+        if self.on_nonfinite != "skip" or self.distributed or hooks.pre or hooks.post:
+            return False
+        return self.update.decides_on_device()
 
     def locals(self) -> list[torch.Tensor]:
         """The parameters as the core takes them: each rank's local shard under FSDP2."""
@@ -322,7 +366,7 @@ class Loop:
                         self.views.after_step(self.cycle.micro_step)
             for layer in layers_to_flush(self.model, self.index, self.batchnorms):
                 layer.flush()
-        return applied
+        return applied and self.update_applied  # a device-decided boundary is read here
 
     def apply(self, hooks: StepHooks) -> bool:
         """The boundary: reduce over ranks, skip a non-finite or weightless cycle, else clip
@@ -341,8 +385,10 @@ class Loop:
             norm = self.fsdp.norm(cycle, scale)
         else:
             norm = cycle.result_norm(idx, scale)
-        cycle.collect_device_flag()
         cycle.check_total_weight()
+        on_device = self.decides_on_device(hooks)
+        if not on_device:
+            cycle.collect_device_flag()
         if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):
             # Skip the whole cycle: nothing half-applied, accumulators start over.
             self.scaler.update(found_inf=True)
@@ -366,11 +412,20 @@ class Loop:
                 coef = clip_coef(norm, self.max_grad_norm).to(torch.float32).reshape(1)
             else:
                 scale *= clip_coef(norm, self.max_grad_norm)
+        if on_device:
+            # The core skips on the device when the flag is raised (a non-finite gradient or
+            # result); Adam's step counters advance there. The outcome is read later, if asked.
+            self.update(idx, scale, coef, skip_flag=cycle.device_flag)
+            skipped = self.outcomes.record(cycle.device_flag)  # also update_applied's answer
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = torch.where(skipped, float("nan"), norm)
+            cycle.reset()
+            return True
         if self.fsdp is not None:
             self.fsdp_update(idx, scale, coef)
         else:
             self.update(idx, scale, coef)
-        self.updates += 1
+        self._updates += 1
         self.scaler.update(found_inf=False)
         cycle.reset()
         self.update_applied = True

@@ -116,9 +116,36 @@ class InnerUpdate:
                     raise
                 self._sets = {}
 
-    def __call__(self, index: list[int], scale: float, clip_coef: torch.Tensor | None) -> None:
+    def decides_on_device(self) -> bool:
+        """Whether the update can take its skip from a device flag: the fused pass, no step
+        hooks on the inner optimizer or global ones (they would fire for a skipped cycle), and
+        no SGD momentum with dampening (a skipped first step would leave the buffers
+        initialised to zero, which dampening tells apart from torch's first step)."""
+        from torch.optim import optimizer as topt
+
+        inner = self.optimizer
+        if self.kind is None or inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
+            return False
+        if topt._global_optimizer_pre_hooks or topt._global_optimizer_post_hooks:
+            return False
+        if self.kind == "sgd":
+            return not any(
+                _float(g["momentum"]) != 0 and _float(g["dampening"]) != 0
+                for g in inner.param_groups
+            )
+        return True
+
+    def __call__(
+        self,
+        index: list[int],
+        scale: float,
+        clip_coef: torch.Tensor | None,
+        skip_flag: torch.Tensor | None = None,
+    ) -> None:
         """Update the parameters ``index`` with accumulators × ``scale`` (× ``clip_coef``, a
-        device scalar, for those outside AGC)."""
+        device scalar, for those outside AGC). ``skip_flag`` (see :meth:`decides_on_device`):
+        a device scalar that, raised, makes every call of the update a no-op, and Adam's steps
+        then advance on the device."""
         if self.kind is None:
             self._fallback(index, scale, clip_coef)
             return
@@ -126,9 +153,9 @@ class InnerUpdate:
         for group in self.optimizer.param_groups:
             gidx = [self.index[id(p)] for p in group["params"] if self.index[id(p)] in chosen]
             if gidx and self.kind == "sgd":
-                self._sgd(group, gidx, scale, clip_coef)
+                self._sgd(group, gidx, scale, clip_coef, skip_flag)
             elif gidx:
-                self._adam(group, gidx, scale, clip_coef)
+                self._adam(group, gidx, scale, clip_coef, skip_flag)
         # The inner optimizer's step() did not run; tell an LR scheduler built on it that an
         # optimizer step happened (torch warns on the first scheduler step otherwise).
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -142,8 +169,9 @@ class InnerUpdate:
             runs.setdefault((agc, self.params[i].dtype), []).append(i)
         return [(run, agc) for (agc, _), run in runs.items()]
 
-    def _common(self, group: dict, agc: bool, coef: Any) -> dict[str, Any]:
+    def _common(self, group: dict, agc: bool, coef: Any, skip_flag: Any) -> dict[str, Any]:
         return dict(
+            skip_flag=skip_flag,
             lr=_float(group["lr"]),
             agc=agc,
             clip_factor=self.clip_factor,
@@ -154,7 +182,7 @@ class InnerUpdate:
             clip_coef=None if agc else coef,
         )
 
-    def _sgd(self, group: dict, gidx: list[int], scale: float, coef: Any) -> None:
+    def _sgd(self, group: dict, gidx: list[int], scale: float, coef: Any, skip_flag: Any) -> None:
         momentum = _float(group["momentum"])
         state = self.optimizer.state
         for ids, agc in self._runs(gidx):
@@ -194,16 +222,19 @@ class InnerUpdate:
                     dampening=_float(group["dampening"]),
                     nesterov=bool(group["nesterov"]),
                     momentum_initialized=initialized,
-                    **self._common(group, agc, coef),
+                    **self._common(group, agc, coef, skip_flag),
                 )
                 # The core wrote through raw pointers: bump autograd's version counters as an
                 # in-place torch op would, so a backward through an older graph raises.
                 torch.autograd.graph.increment_version(params)
 
-    def _adam(self, group: dict, gidx: list[int], scale: float, coef: Any) -> None:
+    def _adam(self, group: dict, gidx: list[int], scale: float, coef: Any, skip_flag: Any) -> None:
         decoupled = bool(
             group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
         )
+        if skip_flag is not None:
+            self._adam_on_device(group, gidx, scale, coef, skip_flag, decoupled)
+            return
         # Group parameters by their step count (parameters that joined later have fewer steps).
         by_step: dict[float, list[int]] = {}
         for i in gidx:
@@ -234,10 +265,47 @@ class InnerUpdate:
                     betas=betas,
                     eps=_float(group["eps"]),
                     step=int(step) + 1,
-                    **self._common(group, agc, coef),
+                    **self._common(group, agc, coef, None),
                 )
                 torch.autograd.graph.increment_version(params)
                 torch._foreach_add_([s["step"] for s in states], 1)
+
+    def _adam_on_device(
+        self, group: dict, gidx: list[int], scale: float, coef: Any, skip_flag: Any, decoupled: bool
+    ) -> None:
+        """Adam and AdamW with the skip and the steps on the device: every parameter's
+        ``step`` is a float32 scalar beside it (as torch keeps it for capturable Adam), which
+        the core reads and advances only when the update is applied."""
+        for i in gidx:
+            p = self.params[i]
+            st = self.optimizer.state[p]
+            if len(st) == 0:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif st["step"].device != p.device or st["step"].dtype != torch.float32:
+                # A host step (made by the host-decided path, or loaded): moved once.
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+        betas = tuple(_float(b) for b in group["betas"])
+        for ids, agc in self._runs(gidx):
+            params = [self.params[i] for i in ids]
+            states = [self.optimizer.state[p] for p in params]
+            self._apply(
+                ("adam-device", tuple(ids), len(self.optimizer.state)),
+                {
+                    "params": lambda ids=ids: [self._local(self.params[i]) for i in ids],
+                    "accumulators": lambda ids=ids: [self.accs[i] for i in ids],
+                    "state1": lambda states=states: [self._local(s["exp_avg"]) for s in states],
+                    "state2": lambda states=states: [self._local(s["exp_avg_sq"]) for s in states],
+                },
+                optimizer="adamw" if decoupled else "adam",
+                grad_scale=scale,
+                betas=betas,
+                eps=_float(group["eps"]),
+                step_counters=[s["step"] for s in states],
+                **self._common(group, agc, coef, skip_flag),
+            )
+            torch.autograd.graph.increment_version(params)
 
     def _fallback(self, index: list[int], scale: float, coef: Any) -> None:
         chosen = set(index)

@@ -58,7 +58,18 @@ typedef struct ga_apply_options {
   double beta1;
   double beta2;
   double adam_eps;
-  int64_t step; /**< optimizer step this update makes, ≥ 1 (bias correction) */
+  int64_t step;                /**< optimizer step this update makes, ≥ 1 (bias correction) */
+  float* const* step_counters; /**< Adam, AdamW: NULL, or one float32 per tensor holding the
+                                    optimizer steps that tensor has made (torch's `step`), in the
+                                    tensors' memory (device memory for ga_cuda_apply). `step` is
+                                    then not read: tensor i's update makes step
+                                    *step_counters[i] + 1, and its counter is advanced to it only
+                                    when the update is applied (a skipped call leaves them all).
+                                    Integral values in [0, 2^24), no two the same counter. */
+  const float* skip_flag;      /**< NULL, or a float32 in the tensors' memory (device memory for
+                                    ga_cuda_apply, read there): non-zero skips the update as a
+                                    non-finite gradient would (nothing written but the reset of
+                                    `reset`). ga_cuda_apply's own `skip_flag` may not be given too. */
 } ga_apply_options;
 
 /** \brief Tensors of ga_apply; lists that an optimizer does not use may be empty. */
