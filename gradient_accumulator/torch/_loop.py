@@ -386,7 +386,8 @@ class Loop:
         else:
             norm = cycle.result_norm(idx, scale)
         cycle.check_total_weight()
-        on_device = self.decides_on_device(hooks)
+        # A weightless cycle updates nothing: its flag is read (and lowered) on the host.
+        on_device = cycle.total_weight > 0 and self.decides_on_device(hooks)
         if not on_device:
             cycle.collect_device_flag()
         if cycle.nonfinite and (scaling or self.on_nonfinite != "apply"):

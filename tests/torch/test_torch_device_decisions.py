@@ -169,3 +169,28 @@ def test_what_needs_the_outcome_first_is_decided_on_the_host(device_path):
             loss.backward()
             opt.step()
     assert calls == [1] and opt.accumulation_state.updates == 1
+
+
+def test_a_weightless_cycle_leaves_no_raised_flag_behind(device_path, monkeypatch):
+    # A cycle whose micro-batches all weigh 0 updates nothing; a NaN in it still counts as a
+    # skipped cycle, and the next cycle starts with the flag lowered.
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = GradientAccumulateOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(6):
+                loss = model(torch.full((1, 4), 1.0 + i)).sum()
+                loss = loss * float("nan") if i == 0 else loss
+                loss.backward()
+                opt.step(weight=0.0 if i < 2 else 1.0)
+        applied = opt.accumulation_state.updates
+        return [p.detach().clone() for p in model.parameters()], applied, len(caught)
+
+    dev = run()
+    _host_decides(monkeypatch)
+    host = run()
+    assert dev[1:] == host[1:] == (2, 1)
+    for p, q in zip(dev[0], host[0]):
+        assert torch.equal(p, q)
