@@ -37,7 +37,7 @@ class DeviceOutcomes:
     def __getstate__(self) -> dict[str, Any]:
         self.settle()  # a copy starts with everything read
         state = self.__dict__.copy()
-        state.update(_copy=None, _arrived=None, last=None)
+        state.update(_copy=None, _arrived=None)
         return state
 
     def record(self, flag: torch.Tensor) -> torch.Tensor:

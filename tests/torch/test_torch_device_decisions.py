@@ -194,3 +194,14 @@ def test_a_weightless_cycle_leaves_no_raised_flag_behind(device_path, monkeypatc
     assert dev[1:] == host[1:] == (2, 1)
     for p, q in zip(dev[0], host[0]):
         assert torch.equal(p, q)
+
+
+def test_a_copy_made_after_a_device_boundary_knows_its_outcome(device_path):
+    model = torch.nn.Linear(4, 2)
+    opt = GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), 2)
+    for _ in range(2):
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin.update_applied and opt.update_applied
+    assert twin.accumulation_state.updates == opt.accumulation_state.updates == 1
