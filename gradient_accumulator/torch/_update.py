@@ -232,26 +232,33 @@ class InnerUpdate:
         decoupled = bool(
             group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
         )
-        if skip_flag is not None:
-            self._adam_on_device(group, gidx, scale, coef, skip_flag, decoupled)
-            return
-        # Group parameters by their step count (parameters that joined later have fewer steps).
+        # On the device (skip_flag given), every parameter's ``step`` is a float32 scalar
+        # beside it (as torch keeps it for capturable Adam), which the core reads and advances
+        # only when the update is applied; on the host, parameters are grouped by their step
+        # count (those that joined later have fewer steps) and the host advances it.
+        on_device = skip_flag is not None
         by_step: dict[float, list[int]] = {}
         for i in gidx:
             p = self.params[i]
             st = self.optimizer.state[p]
             if len(st) == 0:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["step"] = torch.zeros(
+                    (), dtype=torch.float32, device=p.device if on_device else "cpu"
+                )
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            by_step.setdefault(_float(st["step"]), []).append(i)
+            elif on_device and (st["step"].device != p.device or st["step"].dtype != torch.float32):
+                # A host step (made by the host-decided path, or loaded): moved once.
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+            by_step.setdefault(0.0 if on_device else _float(st["step"]), []).append(i)
         betas = tuple(_float(b) for b in group["betas"])
         for step, sidx in by_step.items():
             for ids, agc in self._runs(sidx):
                 params = [self.params[i] for i in ids]
                 states = [self.optimizer.state[p] for p in params]
+                steps = [s["step"] for s in states]
                 self._apply(
-                    ("adam", tuple(ids), len(self.optimizer.state)),
+                    ("adam", on_device, tuple(ids), len(self.optimizer.state)),
                     {
                         "params": lambda ids=ids: [self._local(self.params[i]) for i in ids],
                         "accumulators": lambda ids=ids: [self.accs[i] for i in ids],
@@ -264,48 +271,12 @@ class InnerUpdate:
                     grad_scale=scale,
                     betas=betas,
                     eps=_float(group["eps"]),
-                    step=int(step) + 1,
-                    **self._common(group, agc, coef, None),
+                    **(dict(step_counters=steps) if on_device else dict(step=int(step) + 1)),
+                    **self._common(group, agc, coef, skip_flag),
                 )
                 torch.autograd.graph.increment_version(params)
-                torch._foreach_add_([s["step"] for s in states], 1)
-
-    def _adam_on_device(
-        self, group: dict, gidx: list[int], scale: float, coef: Any, skip_flag: Any, decoupled: bool
-    ) -> None:
-        """Adam and AdamW with the skip and the steps on the device: every parameter's
-        ``step`` is a float32 scalar beside it (as torch keeps it for capturable Adam), which
-        the core reads and advances only when the update is applied."""
-        for i in gidx:
-            p = self.params[i]
-            st = self.optimizer.state[p]
-            if len(st) == 0:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif st["step"].device != p.device or st["step"].dtype != torch.float32:
-                # A host step (made by the host-decided path, or loaded): moved once.
-                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
-        betas = tuple(_float(b) for b in group["betas"])
-        for ids, agc in self._runs(gidx):
-            params = [self.params[i] for i in ids]
-            states = [self.optimizer.state[p] for p in params]
-            self._apply(
-                ("adam-device", tuple(ids), len(self.optimizer.state)),
-                {
-                    "params": lambda ids=ids: [self._local(self.params[i]) for i in ids],
-                    "accumulators": lambda ids=ids: [self.accs[i] for i in ids],
-                    "state1": lambda states=states: [self._local(s["exp_avg"]) for s in states],
-                    "state2": lambda states=states: [self._local(s["exp_avg_sq"]) for s in states],
-                },
-                optimizer="adamw" if decoupled else "adam",
-                grad_scale=scale,
-                betas=betas,
-                eps=_float(group["eps"]),
-                step_counters=[s["step"] for s in states],
-                **self._common(group, agc, coef, skip_flag),
-            )
-            torch.autograd.graph.increment_version(params)
+                if not on_device:
+                    torch._foreach_add_(steps, 1)
 
     def _fallback(self, index: list[int], scale: float, coef: Any) -> None:
         chosen = set(index)
