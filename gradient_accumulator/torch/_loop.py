@@ -92,7 +92,8 @@ class Loop:
             local, o.bucket_cap_mb, SCALAR_SLOTS
         )
         # On CUDA the core raises a device flag for non-finite gradients instead of returning a
-        # Python bool, so micro-steps never wait for the GPU; the flag is read once per cycle.
+        # Python bool, so micro-steps never wait for the GPU. The boundary leaves the flag to the
+        # fused apply where it can (decides_on_device), else reads it once.
         device = local[0].device
         flag = (
             torch.zeros((), dtype=torch.float32, device=device)
@@ -370,7 +371,8 @@ class Loop:
 
     def apply(self, hooks: StepHooks) -> bool:
         """The boundary: reduce over ranks, skip a non-finite or weightless cycle, else clip
-        and update. Returns whether the weights were updated."""
+        and update. Returns whether the weights were updated, or True for a boundary left to
+        the device (:attr:`update_applied` then reads the outcome)."""
         cycle = self.cycle
         if self.fsdp is not None:
             cycle.collect_device_flag()

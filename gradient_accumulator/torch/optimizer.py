@@ -291,7 +291,9 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     @property
     def update_applied(self) -> bool:
-        """Whether the last step() or flush() updated the weights."""
+        """Whether the last step() or flush() updated the weights. On CUDA, where the boundary
+        leaves the non-finite skip to the device, the first read after a boundary waits for
+        the GPU (docs/cuda.md)."""
         return self._loop.update_applied
 
     @property
