@@ -436,6 +436,82 @@ TEST(Apply, AdamFirstStepMovesByLr) {
   }
 }
 
+TEST(Apply, StepCountersGiveEachTensorItsOwnStep) {
+  // Tensors of steps 0, 3, 0, 7 in one call: each updated with its own bias corrections, bit
+  // for bit as one call per step with the host step, and each counter advanced by one. A raised
+  // skip flag then writes nothing but the reset, and leaves the counters.
+  auto rng = Rng(31);
+  const std::vector<int64_t> sizes = {5, 300, 0, 33};
+  const std::vector<float> steps = {0, 3, 0, 7};
+  TensorList p(kGaFloat32, sizes), a(kGaFloat32, sizes), m(kGaFloat32, sizes), v(kGaFloat32, sizes);
+  p.FillUniform(rng, -1, 1);
+  a.FillUniform(rng, -1, 1);
+  m.FillUniform(rng, -0.1, 0.1);
+  v.FillUniform(rng, 0.0, 0.01);
+  ga_apply_options o{};
+  o.grad_scale = 0.5;
+  o.optimizer = kGaOptimizerAdamW;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  o.beta1 = 0.9;
+  o.beta2 = 0.999;
+  o.adam_eps = 1e-8;
+  // Reference: one call per tensor with the host step.
+  std::vector<std::vector<double>> want_p, want_m, want_v;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TestTensor pi(kGaFloat32, sizes[i]), ai(kGaFloat32, sizes[i]), mi(kGaFloat32, sizes[i]),
+        vi(kGaFloat32, sizes[i]);
+    pi.SetValues(p[i].Values());
+    ai.SetValues(a[i].Values());
+    mi.SetValues(m[i].Values());
+    vi.SetValues(v[i].Values());
+    ga_tensor tp = pi.desc(), ta = ai.desc(), tm = mi.desc(), tv = vi.desc();
+    ga_apply_tensors t{{&tp, 1}, {&ta, 1}, {&tm, 1}, {&tv, 1}, {nullptr, 0}};
+    ga_apply_options oi = o;
+    oi.step = static_cast<int64_t>(steps[i]) + 1;
+    ASSERT_EQ(ga_apply(&t, &oi, nullptr), kGaOk) << ga_last_error();
+    want_p.push_back(pi.Values());
+    want_m.push_back(mi.Values());
+    want_v.push_back(vi.Values());
+  }
+  std::vector<float> counters = steps;
+  std::vector<float*> ptrs;
+  for (float& c : counters) ptrs.push_back(&c);
+  o.step_counters = ptrs.data();
+  ga_apply_tensors t{p.list(), a.list(), m.list(), v.list(), {nullptr, 0}};
+  ASSERT_EQ(ga_apply(&t, &o, nullptr), kGaOk) << ga_last_error();
+  EXPECT_EQ(p.Values(), want_p);
+  EXPECT_EQ(m.Values(), want_m);
+  EXPECT_EQ(v.Values(), want_v);
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(counters[i], steps[i] + 1);
+
+  const auto p_before = p.Values(), m_before = m.Values(), v_before = v.Values();
+  const float raised = 1.0f;
+  o.skip_flag = &raised;
+  o.reset = 1;
+  ga_apply_result r{};
+  ASSERT_EQ(ga_apply(&t, &o, &r), kGaOk) << ga_last_error();
+  EXPECT_EQ(r.skipped, 1);
+  EXPECT_EQ(p.Values(), p_before);
+  EXPECT_EQ(m.Values(), m_before);
+  EXPECT_EQ(v.Values(), v_before);
+  for (const auto& x : a.Values())
+    for (double e : x) EXPECT_EQ(e, 0.0);
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(counters[i], steps[i] + 1);
+
+  // Refused before anything is written: a fractional step, and one counter given twice.
+  o.skip_flag = nullptr;
+  counters[3] = 2.5f;
+  EXPECT_EQ(ga_apply(&t, &o, nullptr), kGaInvalidArgument);
+  EXPECT_NE(std::string(ga_last_error()).find("step_counters[3]"), std::string::npos);
+  counters[3] = 2.0f;
+  ptrs[2] = ptrs[0];
+  EXPECT_EQ(ga_apply(&t, &o, nullptr), kGaInvalidArgument);
+  EXPECT_NE(std::string(ga_last_error()).find("overlaps"), std::string::npos);
+  EXPECT_EQ(p.Values(), p_before);
+  EXPECT_EQ(counters[0], 1.0f);
+}
+
 // ---- non-finite gradients: skip everything, reset iff asked ----
 
 TEST(Apply, SkipNonfiniteLeavesEverythingUntouched) {
