@@ -122,6 +122,8 @@ def dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
 
 
 def all_finite(grads: list[Any]) -> Any:
+    if not grads:  # nothing to check (no trainable variable)
+        return ops.convert_to_tensor(True)
     return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
 
 
