@@ -3,9 +3,14 @@
 :func:`fold` takes the cycle's state and one micro-batch's gradients and returns the next state;
 it is the fold of every path: the stateful one (TensorFlow, eager PyTorch without the core)
 writes the returned values into the optimizer's variables, the functional one (JAX) passes
-them on. The other functions are the pieces of the boundary both paths share (the gradient's
-scale, the loss scale's growth, which variables an update touches). Nothing here reads or
-writes a variable; the options come in as the wrapper's record
+them on. :func:`boundary` takes the cycle's state at the end of a micro-step and returns the next
+state with what the shell does with it: the factor that turns the accumulators into the
+cycle's gradient, whether the inner optimizer updates and whether the cycle is left out as
+non-finite. The loss scale's growth and halving, the non-finite check, the count of dropped
+cycles and the reset of the counters are decided there, once, for both shells; each shell keeps
+only what is its own (writing variables and running the inner update in a conditional, under
+``tf.distribute`` in the cross-replica context; threading values through a ``lax.cond``).
+Nothing here writes a variable; the options come in as the wrapper's record
 (:class:`gradient_accumulator._options.Options`).
 """
 
@@ -22,10 +27,16 @@ from gradient_accumulator._options import Options
 from gradient_accumulator.keras._compat import to_numpy
 
 __all__ = [
+    "CycleEnd",
+    "CycleState",
     "FoldState",
     "all_finite",
+    "boundary",
+    "checks_nonfinite",
     "concrete",
+    "decide",
     "dense",
+    "drops_nonfinite",
     "fold",
     "grad_scale",
     "grown_scale",
@@ -48,6 +59,33 @@ class FoldState(NamedTuple):
     nonfinite: Any
     micro_step: Any
     iterations: Any
+
+
+class CycleState(NamedTuple):
+    """What a boundary reads and writes besides the accumulators: the micro-step in the cycle,
+    the cycle's total weight, its non-finite flag (set per micro-step under
+    ``mixed_precision``), the loss scale and its growth counter, and the number of cycles
+    dropped as non-finite under ``on_nonfinite``."""
+
+    micro_step: Any
+    total_weight: Any
+    nonfinite: Any
+    loss_scale: Any
+    growth: Any
+    skipped: Any
+
+
+class CycleEnd(NamedTuple):
+    """What :func:`boundary` returns: the next ``state``; ``scale``, the factor turning the
+    accumulators into the cycle's gradient (:func:`grad_scale`); ``do_update``, whether the
+    inner optimizer takes that gradient now; ``skipped``, whether the cycle ends without an
+    update because it is non-finite (the loss scaler's skip or ``on_nonfinite``'s drop).
+    ``do_update`` and ``skipped`` are Python booleans where they are known without a tensor."""
+
+    state: CycleState
+    scale: Any
+    do_update: Any
+    skipped: Any
 
 
 def traced(value: Any) -> bool:
@@ -84,6 +122,8 @@ def dense(grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
 
 
 def all_finite(grads: list[Any]) -> Any:
+    if not grads:  # nothing to check (no trainable variable)
+        return ops.convert_to_tensor(True)
     return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
 
 
@@ -216,3 +256,91 @@ def on_choice(choice: tuple[Any, list[int], list[int]], update: Callable[[list[i
     if isinstance(pred, bool):
         return update(if_true if pred else if_false)
     return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
+
+
+def drops_nonfinite(options: Options) -> bool:
+    """Whether ``on_nonfinite`` decides about a non-finite cycle (the loss scaler does not)."""
+    return not options.mixed_precision and options.on_nonfinite != "apply"
+
+
+def checks_nonfinite(options: Options) -> bool:
+    """Whether a boundary looks at the cycle's non-finite verdict at all."""
+    return options.mixed_precision or drops_nonfinite(options)
+
+
+def _select(at: Any, new: Any, old: Any) -> Any:
+    return new if at is True else ops.where(at, new, old)
+
+
+def decide(at: Any, verdict: Any, options: Options) -> tuple[Any, Any]:
+    """``(do_update, skipped)`` at a boundary (``at``) whose cycle has the non-finite
+    ``verdict`` (> 0: some value was NaN or Inf), the rule every shell applies."""
+    if not checks_nonfinite(options):
+        return at, False
+    skipped = ops.greater(verdict, 0.0)
+    if at is True:
+        return ops.logical_not(skipped), skipped
+    return ops.logical_and(at, ops.logical_not(skipped)), skipped
+
+
+def boundary(
+    state: CycleState,
+    options: Options,
+    *,
+    at: Any = True,
+    accs: Sequence[Any] = (),
+    static_scale: float | None = None,
+    check_result: bool = False,
+    agree: Callable[[Any, Any], Any] | None = None,
+) -> CycleEnd:
+    """The end of a cycle where ``at`` holds (True, or a boolean tensor: the state is returned
+    unchanged where it is False).
+
+    The non-finite verdict: with ``on_nonfinite`` deciding (``"skip"``, ``"raise"``), or with
+    ``check_result``, the cycle's gradient itself (the accumulators ``accs`` times the scale)
+    is checked, at the boundary only: a NaN or Inf of any micro-batch reaches it, and so does
+    a finite sum that overflows float32. Otherwise, under ``mixed_precision``, the flag the
+    fold set per micro-step. ``agree(at, verdict)``, given, returns the verdict the replicas
+    agree on (their sum); the shell calls it here, between the check and the decision.
+
+    A good cycle updates and, under ``mixed_precision``, counts towards the loss scale's
+    growth; a non-finite one halves the loss scale (``mixed_precision``) or is dropped and
+    counted (``on_nonfinite``). Then the micro-step, total weight and non-finite flag restart.
+    ``accs`` may be variables: they are read only where the check runs.
+    """
+    scale = grad_scale(state.total_weight, state.loss_scale, options, static_scale)
+    drops = drops_nonfinite(options)
+    verdict = state.nonfinite
+    if drops or check_result:
+
+        def measured() -> Any:
+            return ops.cast(ops.logical_not(all_finite([a * scale for a in accs])), "float32")
+
+        verdict = (
+            measured()
+            if at is True
+            else ops.cond(at, measured, lambda: ops.convert_to_tensor(0.0, "float32"))
+        )
+    if agree is not None:
+        verdict = agree(at, verdict)
+    do_update, skipped = decide(at, verdict, options)
+    loss_scale, growth, dropped = state.loss_scale, state.growth, state.skipped
+    if options.mixed_precision:
+        grown, counted = grown_scale(state.loss_scale, state.growth, options)
+        loss_scale = _select(at, ops.where(skipped, state.loss_scale * 0.5, grown), loss_scale)
+        growth = _select(at, ops.where(skipped, ops.zeros_like(counted), counted), growth)
+    if drops:
+        dropped = ops.where(
+            skipped if at is True else ops.logical_and(at, skipped),
+            state.skipped + 1,
+            state.skipped,
+        )
+    next_state = CycleState(
+        micro_step=_select(at, ops.zeros_like(state.micro_step), state.micro_step),
+        total_weight=_select(at, ops.zeros_like(state.total_weight), state.total_weight),
+        nonfinite=_select(at, ops.zeros_like(state.nonfinite), state.nonfinite),
+        loss_scale=loss_scale,
+        growth=growth,
+        skipped=dropped,
+    )
+    return CycleEnd(next_state, scale, do_update, skipped)

@@ -96,33 +96,43 @@ class StatelessShell:
         trainable_values: list,
         present: list[bool],
     ) -> tuple[list, dict, list]:
-        """If ``boundary``: update through the inner optimizer and reset the counters."""
-        carried = ("loss_scale", "growth", "micro_step", "total_weight", "nonfinite", "skipped")
+        """If ``boundary``: the cycle ends as :func:`_cycle.boundary` decides, in one branch of
+        a conditional; the inner optimizer's ``stateless_apply`` runs in a nested one."""
+        fields = _cycle.CycleState._fields
         # Decided outside the conditional, where the seen flags may still be concrete.
         choice = _cycle.seen_choice(own["seen"], present)
 
-        def update() -> tuple:
-            return self._stateless_update(own, inner_values, trainable_values, choice)
+        def end() -> tuple:
+            out = _cycle.boundary(
+                _cycle.CycleState(*(own[k] for k in fields)),
+                self._options,
+                accs=own["accs"],
+                static_scale=self._static_scale,
+            )
+            tv, inner = self._stateless_update(
+                out, own["accs"], inner_values, trainable_values, choice
+            )
+            return (tv, inner, *out.state)
 
         def keep() -> tuple:
-            return (list(trainable_values), list(inner_values), *[own[k] for k in carried])
+            return (list(trainable_values), list(inner_values), *[own[k] for k in fields])
 
-        tv, inner, *rest = ops.cond(boundary, update, keep)
+        tv, inner, *rest = ops.cond(boundary, end, keep)
         own = dict(own)
-        own.update(zip(carried, rest))
+        own.update(zip(fields, rest))
         return tv, own, inner
 
     def _stateless_update(
-        self, own: dict, inner_values: list, trainable_values: list, choice: tuple
-    ) -> tuple:
-        """The boundary branch of ``_stateless_cycle_end``: the update (unless the cycle is
-        non-finite), the loss scale, the counters reset."""
-        grads = self._final_grads(
-            own["accs"],
-            self._trainable_variables,
-            trainable_values,
-            self._grad_scale(own["total_weight"], own["loss_scale"]),
-        )
+        self,
+        end: _cycle.CycleEnd,
+        accs: list,
+        inner_values: list,
+        trainable_values: list,
+        choice: tuple,
+    ) -> tuple[list, list]:
+        """The inner optimizer's ``stateless_apply`` with the cycle's gradient, if
+        ``end.do_update``: new trainable and inner optimizer values."""
+        grads = self._final_grads(accs, self._trainable_variables, trainable_values, end.scale)
 
         def inner_update(keep: list[int]) -> tuple[list, list]:
             if not keep:
@@ -138,51 +148,13 @@ class StatelessShell:
                 )
             return list(tv), list(inner)
 
-        def good() -> tuple:
+        def update() -> tuple[list, list]:
             tv, inner = _cycle.on_choice(choice, inner_update)
-            if self.mixed_precision:
-                scale, growth = _cycle.grown_scale(own["loss_scale"], own["growth"], self._options)
-            else:
-                scale, growth = own["loss_scale"], own["growth"]
-            return list(tv), list(inner), scale, growth, own["skipped"]
+            return list(tv), list(inner)
 
-        def bad() -> tuple:
-            return (
-                list(trainable_values),
-                list(inner_values),
-                own["loss_scale"] * 0.5,
-                ops.zeros_like(own["growth"]),
-                own["skipped"],
-            )
-
-        def dropped() -> tuple:
-            return (
-                list(trainable_values),
-                list(inner_values),
-                own["loss_scale"],
-                own["growth"],
-                own["skipped"] + 1,
-            )
-
-        if self.mixed_precision:
-            out = ops.cond(ops.greater(own["nonfinite"], 0.0), bad, good)
-        elif self._drops_nonfinite():
-            # The cycle's final gradient itself is checked (NaN/Inf of any micro-batch,
-            # or a sum that overflowed float32).
-            out = ops.cond(_cycle.all_finite(grads), good, dropped)
-        else:
-            out = good()
-        tv, inner, scale, growth, skipped = out
-        return (
-            tv,
-            inner,
-            scale,
-            growth,
-            ops.zeros_like(own["micro_step"]),
-            ops.zeros_like(own["total_weight"]),
-            ops.zeros_like(own["nonfinite"]),
-            skipped,
-        )
+        if end.do_update is True:
+            return update()
+        return ops.cond(end.do_update, update, lambda: (list(trainable_values), list(inner_values)))
 
     def _jax_stateful(self, grads: list[Any]) -> None:
         tv, ov = self.stateless_apply(

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from gradient_accumulator.keras import _cycle
 from gradient_accumulator.keras._compat import loss_scale_optimizer_wrapping, to_numpy
 
 
@@ -108,7 +109,7 @@ class LossScaling:
 
     def _drops_nonfinite(self) -> bool:
         """Whether ``on_nonfinite`` decides about a non-finite cycle (the loss scaler does not)."""
-        return not self.mixed_precision and self.on_nonfinite != "apply"
+        return _cycle.drops_nonfinite(self._options)
 
     def report_nonfinite(self, skipped: int | None = None) -> int:
         """Warn, or raise, for the non-finite cycles dropped since the last report.

@@ -38,6 +38,17 @@ def _strategy() -> Any:
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
 
 
+def _summed_over_replicas(at: Any, verdict: Any) -> Any:
+    """A boundary's ``agree`` under a strategy without merge_call: the replicas' verdicts
+    summed, at the boundary only (no collective on the other micro-steps)."""
+    import tensorflow as tf
+
+    ctx = tf.distribute.get_replica_context()
+    return ops.cond(
+        at, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, verdict), lambda: verdict
+    )
+
+
 def _already_reduced(grads_and_vars: Any) -> list:
     """Stands in for a Keras optimizer's all-reduce of gradients that are reduced already."""
     return list(grads_and_vars)
@@ -88,83 +99,65 @@ class StatefulShell:
             self._iterations.assign_add(1)
 
     def _end_cycle(self, boundary: Any, variables: list[Any], present: list[bool]) -> None:
-        """If ``boundary``: update (unless the cycle was non-finite), rescale, reset counters.
+        """If ``boundary``: the cycle ends as :func:`_cycle.boundary` decides; this shell runs
+        the inner update in a conditional and writes the next state into the variables.
 
-        ``present``: which variables have a gradient in the current call (see ``_seen_choice``).
-
-        Only the inner update sits in a conditional; the counters and the loss scale are
-        selected outside it, so no replica synchronisation happens inside a branch.
+        ``present``: which variables have a gradient in the current call (see
+        :func:`_cycle.seen_choice`). Only the inner update sits in a conditional; the counters
+        and the loss scale are selected outside it, so no replica synchronisation happens
+        inside a branch.
         """
         strategy = _strategy()
-        nonfinite = self._nonfinite.value
-        drops = self._drops_nonfinite()
-        if drops or (self.mixed_precision and strategy is not None):
-            # The cycle's result itself is checked, once, at the boundary: a NaN or Inf of any
-            # micro-batch reaches it, and so does a finite sum that overflows float32. Under a
-            # strategy this is also the loss scaler's check: the per-micro-step flag is a
-            # first-replica variable, which would not see another replica's NaN.
-            accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
-            scale = self._grad_scale(self._total_weight, self._loss_scale)
-            nonfinite = ops.cond(
-                boundary,
-                lambda: ops.cast(
-                    ops.logical_not(_cycle.all_finite([a.value * scale for a in accs])), "float32"
-                ),
-                lambda: ops.convert_to_tensor(0.0, "float32"),
-            )
-        checks = self.mixed_precision or drops
         merged = strategy is not None and not _no_merge_call()
-        pred, if_true, if_false = _cycle.seen_choice(self._seen.value, present)
-        if strategy is not None and checks and not merged:
-            import tensorflow as tf
-
-            ctx = tf.distribute.get_replica_context()
-            local = nonfinite
-            nonfinite = ops.cond(
-                boundary,
-                lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, local),
-                lambda: local,
-            )
+        choice = _cycle.seen_choice(self._seen.value, present)
+        agree = None
         if merged:
-            skip = self._merged_boundary(
-                boundary, nonfinite, (pred, if_true, if_false), variables, checks
-            )
-        else:
-            skip = ops.greater(nonfinite, 0.0) if checks else False
-            do_update = ops.logical_and(boundary, ops.logical_not(skip))
+            # The verdict is agreed, and the update run, in the cross-replica context.
+            def agree(at: Any, verdict: Any) -> Any:
+                return self._merged_boundary(at, verdict, choice, variables)
+
+        elif strategy is not None and _cycle.checks_nonfinite(self._options):
+            agree = _summed_over_replicas
+        end = _cycle.boundary(
+            # The variables themselves: each is read where the boundary uses it.
+            _cycle.CycleState(*(getattr(self, f"_{k}") for k in _cycle.CycleState._fields)),
+            self._options,
+            at=boundary,
+            accs=[self._accumulators[self._get_variable_index(v)] for v in variables],
+            static_scale=self._static_scale,
+            # Under a strategy the loss scaler checks the cycle's result too: the
+            # per-micro-step flag is a first-replica variable, which would not see another
+            # replica's NaN.
+            check_result=self.mixed_precision and strategy is not None,
+            agree=agree,
+        )
+        if not merged:
             ops.cond(
-                do_update,
-                lambda: _cycle.on_choice(
-                    (pred, if_true, if_false), lambda keep: self._inner_update(variables, keep)
-                ),
+                end.do_update,
+                lambda: _cycle.on_choice(choice, lambda keep: self._inner_update(variables, keep)),
                 lambda: None,
             )
+        state = end.state
         if self.mixed_precision:
-            scale, growth = _cycle.grown_scale(
-                self._loss_scale.value, self._growth.value, self._options
-            )
-            scale = ops.where(skip, self._loss_scale * 0.5, scale)
-            growth = ops.where(skip, ops.zeros_like(growth), growth)
-            self._loss_scale.assign(ops.where(boundary, scale, self._loss_scale))
-            self._growth.assign(ops.where(boundary, growth, self._growth))
-        if drops:
-            dropped = ops.logical_and(boundary, skip)
-            self._skipped.assign(ops.where(dropped, self._skipped + 1, self._skipped))
-        self._micro_step.assign(
-            ops.where(boundary, ops.zeros_like(self._micro_step.value), self._micro_step)
-        )
-        self._total_weight.assign(ops.where(boundary, 0.0, self._total_weight))
-        self._nonfinite.assign(ops.where(boundary, 0.0, self._nonfinite))
+            self._loss_scale.assign(state.loss_scale)
+            self._growth.assign(state.growth)
+        if self._drops_nonfinite():
+            self._skipped.assign(state.skipped)
+        self._micro_step.assign(state.micro_step)
+        self._total_weight.assign(state.total_weight)
+        self._nonfinite.assign(state.nonfinite)
 
     def _merged_boundary(
-        self, boundary: Any, nonfinite: Any, choice: tuple, variables: list[Any], checks: bool
+        self, boundary: Any, verdict: Any, choice: tuple, variables: list[Any]
     ) -> Any:
-        """The boundary under a strategy with merge_call: decided and applied in the
-        cross-replica context; returns whether the cycle is skipped."""
+        """The boundary's ``agree`` under a strategy with merge_call: the replicas' verdicts
+        summed, and the update decided (:func:`_cycle.decide`) and run, in the cross-replica
+        context; returns the summed verdict."""
         pred, if_true, if_false = choice
         import tensorflow as tf
         from tensorflow.python.distribute import device_util
 
+        checks = _cycle.checks_nonfinite(self._options)
         # With clipping (or AGC) the cycle's gradient is reduced over the replicas before the
         # inner update: each replica's accumulators go to the cross-replica context, which
         # sums them at the boundary (a collective in a replica's branch would need a
@@ -183,15 +176,14 @@ class StatefulShell:
             # all-reduce inside a replica's conditional would need a merge_call there),
             # and only at the boundary: no collective on the other micro-steps.
             at_boundary = distribution.experimental_local_results(boundary)[0]
-            skip = False
+            total = ops.convert_to_tensor(0.0, "float32")
             if checks:
                 total = ops.cond(
                     at_boundary,
                     lambda: distribution.reduce(tf.distribute.ReduceOp.SUM, local, axis=None),
-                    lambda: ops.convert_to_tensor(0.0, "float32"),
+                    lambda: total,
                 )
-                skip = ops.greater(total, 0.0)
-            go = ops.logical_and(at_boundary, ops.logical_not(skip))
+            go, _ = _cycle.decide(at_boundary, total, self._options)
             # The seen-flags choice is made here too, in the cross-replica context: an
             # inner update (which synchronises the replicas) cannot sit in a conditional
             # of a replica's.
@@ -219,10 +211,10 @@ class StatefulShell:
 
             for when, keep in choices:
                 ops.cond(when, lambda keep=keep: update(keep), lambda: None)
-            return skip
+            return total
 
         return tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(boundary, nonfinite, pred, local_accs)
+            cross_replica, args=(boundary, verdict, pred, local_accs)
         )
 
     def _clips(self) -> bool:

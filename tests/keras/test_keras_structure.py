@@ -12,8 +12,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 KERAS = Path(__file__).resolve().parents[2] / "gradient_accumulator" / "keras"
 MAX_OPTIMIZER_LINES = 500
 MAX_FUNCTION_LINES = 80
@@ -56,11 +54,6 @@ def test_the_counting_rule_sees_the_resets():
     assert not _RESETS_MICRO_STEP.search("ops.greater_equal(self._micro_step, k)")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stateful (TensorFlow/torch) and stateless (JAX) shells still each end a cycle; "
-    "one pure _cycle.boundary for both is not written yet",
-)
 def test_one_boundary():
     enders = sorted(
         f"{module}.{node.name}"
