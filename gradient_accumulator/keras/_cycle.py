@@ -143,6 +143,8 @@ def _fold_accs(
 def _seen_after(seen: Any, present: Sequence[bool], first: Any) -> Any:
     """The seen flags after a micro-step in which ``present`` variables have a gradient."""
     mask = ops.convert_to_tensor(np.asarray(present, "float32"))
+    if all(present):  # every flag is set whatever it was
+        return mask
     return ops.where(first, mask, ops.maximum(seen, mask))
 
 
@@ -289,6 +291,7 @@ def boundary(
     *,
     at: Any = True,
     accs: Sequence[Any] = (),
+    scaled: bool = False,
     static_scale: float | None = None,
     check_result: bool = False,
     agree: Callable[[Any, Any], Any] | None = None,
@@ -306,7 +309,8 @@ def boundary(
     A good cycle updates and, under ``mixed_precision``, counts towards the loss scale's
     growth; a non-finite one halves the loss scale (``mixed_precision``) or is dropped and
     counted (``on_nonfinite``). Then the micro-step, total weight and non-finite flag restart.
-    ``accs`` may be variables: they are read only where the check runs.
+    ``accs`` may be variables: they are read only where the check runs. ``scaled``: ``accs``
+    are the cycle's gradient already (the accumulators times the returned ``scale``).
     """
     scale = grad_scale(state.total_weight, state.loss_scale, options, static_scale)
     drops = drops_nonfinite(options)
@@ -314,7 +318,8 @@ def boundary(
     if drops or check_result:
 
         def measured() -> Any:
-            return ops.cast(ops.logical_not(all_finite([a * scale for a in accs])), "float32")
+            result = list(accs) if scaled else [a * scale for a in accs]
+            return ops.cast(ops.logical_not(all_finite(result)), "float32")
 
         verdict = (
             measured()

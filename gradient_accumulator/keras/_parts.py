@@ -253,13 +253,14 @@ class CycleParts:
         return _cycle.grad_scale(total_weight, loss_scale, self._options, self._static_scale)
 
     def _final_grads(
-        self, accs: list[Any], variables: list[Any], params: list[Any], scale: Any
+        self, accs: list[Any], variables: list[Any], params: list[Any], scale: Any | None
     ) -> list[Any]:
         """Averaged, unscaled, clipped gradients in the variables' dtypes.
 
         ``params`` are the variables' current values (traced values on the functional path).
+        ``scale`` None: ``accs`` are scaled already.
         """
-        grads = [a * scale for a in accs]
+        grads = list(accs) if scale is None else [a * scale for a in accs]
         if self.use_agc:
             index = [self._get_variable_index(v) for v in variables]
             grads = [
@@ -299,11 +300,17 @@ class CycleParts:
         one); one without any in the cycle is left alone. ``grads`` follow the wrapper's
         variables; ``accs``: their accumulators' values on the functional path.
         """
+        out: list[tuple] = []
+        chosen = [
+            i
+            for i, v in enumerate(self._trainable_variables)
+            if getattr(v, "overwrite_with_gradient", False)
+        ]
+        if not chosen:  # the usual case: no op at all
+            return out
         first = ops.equal(micro_step, 0)
-        out = []
-        for i, (g, v) in enumerate(zip(grads, self._trainable_variables)):
-            if not getattr(v, "overwrite_with_gradient", False):
-                continue
+        for i in chosen:
+            g = grads[i]
             acc = self._accumulators[i] if accs is None else accs[i]
             previous = acc.value if accs is None else acc
             if g is None:

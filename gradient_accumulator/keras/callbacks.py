@@ -91,10 +91,12 @@ class FlushAccumulation(keras.callbacks.Callback):
             return
         if keras.backend.backend() == "jax" and hasattr(self.model, "jax_state_sync"):
             self.model.jax_state_sync()
+        flushed = False
         if opt.leftover == "apply":
-            opt.flush()
+            flushed = opt.flush()  # reports the dropped cycles itself
             flush_batchnorm(self.model)
-        opt.report_nonfinite()
+        if not flushed:
+            opt.report_nonfinite()
 
     @staticmethod
     def _report_nonfinite(model: Any, opt: GradientAccumulateOptimizer) -> None:
@@ -109,10 +111,13 @@ class FlushAccumulation(keras.callbacks.Callback):
             opt.report_nonfinite()
 
 
-def _batch_size(data: Any) -> Any:
+def _first_input(data: Any) -> Any:
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
-    return keras.ops.cast(keras.ops.shape(first)[0], "float32")
+    return next(t for t in keras.tree.flatten(x) if t is not None)
+
+
+def _batch_size(data: Any) -> Any:
+    return keras.ops.cast(keras.ops.shape(_first_input(data))[0], "float32")
 
 
 def _relative_batch_size(model: Any, data: Any) -> Any:
@@ -122,9 +127,7 @@ def _relative_batch_size(model: Any, data: Any) -> Any:
     which leaves XLA's compiled step what it is without the wrapper: a weight such as 32 (an
     exact power of two) made XLA compile the backward differently and changed gradients in the
     last bit, where the plain optimizer must be matched bit for bit."""
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
-    n = first.shape[0]
+    n = _first_input(data).shape[0]
     if not isinstance(n, int):  # not a static size: the size itself
         return _batch_size(data)
     unit = getattr(model, "_batch_weight_unit", None)
@@ -159,7 +162,13 @@ def weigh_batch(model: Any, *args: Any) -> Any:
     if opt is not None:
         if not opt.built:
             model.optimizer.build(model.trainable_variables)
-        opt.counter("batch_weight").assign(_batch_size(data))
+        weight = opt.counter("batch_weight")
+        if keras.backend.backend() == "torch":
+            # Eager: the size is a number, written in place (a Keras assign converts and
+            # checks it first, a visible share of a small model's step).
+            weight.value.fill_(float(_first_input(data).shape[0]))
+        else:
+            weight.assign(_batch_size(data))
     return None
 
 

@@ -1,0 +1,109 @@
+"""What one micro-step costs, counted rather than timed: the ops of TensorFlow's step graph and the
+Keras variable writes of the torch backend's eager path (benchmarks/keras_step.py times them).
+
+TensorFlow without a strategy: one conditional picks the micro-step's phase, and a middle
+micro-step adds each weighted gradient in place in one op (no multiply, no select), with the
+same rounding as ``acc + w·g``. The torch backend's core path mirrors the cycle's counters into
+the variables in place, with no Keras ``assign`` per micro-step.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from keras_helpers import BACKEND
+
+from gradient_accumulator.keras import GradientAccumulateOptimizer
+
+SHAPES = [(5, 3), (3,)]
+
+
+def _setup(accum_steps=4, reduction="MEAN"):
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.SGD(0.1), accum_steps=accum_steps, reduction=reduction
+    )
+    opt.build(variables)
+    return opt, variables
+
+
+def _grads(seed):
+    rng = np.random.default_rng(seed)
+    return [keras.ops.convert_to_tensor(rng.normal(size=s).astype("float32")) for s in SHAPES]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+def test_tf_step_is_one_phase_conditional_with_in_place_adds():
+    import tensorflow as tf
+
+    opt, variables = _setup()
+    grads = _grads(0)
+
+    @tf.function
+    def step():
+        opt.apply(grads, variables)
+
+    graph = step.get_concrete_function().graph
+    outer = [op.type for op in graph.get_operations()]
+    assert outer.count("Case") == 1
+    assert "SelectV2" not in outer and "If" not in outer
+    branches = {
+        f.signature.name: [n.op for n in f.node_def] for f in graph.as_graph_def().library.function
+    }
+    middle = [ops for name, ops in branches.items() if "_branch1_" in name]
+    assert len(middle) == 1, sorted(branches)
+    (middle,) = middle
+    # Two accumulators, each added in place: no multiply, no select, no second conditional.
+    assert middle.count("ResourceApplyGradientDescent") == len(SHAPES)
+    for op in ("Mul", "SelectV2", "If", "Case"):
+        assert op not in middle, (op, middle)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's in-place weighted add")
+def test_tf_in_place_weighted_add_rounds_as_multiply_then_add():
+    """Weights that make ``w·g`` inexact: the accumulator after three micro-steps equals the
+    float32 sum ``((w1·g1) + w2·g2) + w3·g3`` computed by NumPy, bit for bit."""
+    import tensorflow as tf
+
+    opt, variables = _setup(accum_steps=8)
+    weights = [3.0, 0.7, 1.3]
+    steps = [_grads(i) for i in range(3)]
+
+    @tf.function
+    def step(grads, weight):
+        opt.apply(grads, variables, weight=weight)
+
+    for grads, w in zip(steps, weights):
+        step(grads, tf.constant(w))
+    steps = [[g.numpy() for g in grads] for grads in steps]
+    for i in range(len(SHAPES)):
+        expected = steps[0][i] * np.float32(weights[0])
+        for grads, w in zip(steps[1:], weights[1:]):
+            expected = expected + grads[i] * np.float32(w)
+        np.testing.assert_array_equal(opt.accumulators[i].numpy(), expected)
+    assert float(opt.counter("total_weight").numpy()) == np.float32(
+        sum(np.float32(w) for w in weights)
+    )
+    assert int(opt.counter("micro_step").numpy()) == 3
+    assert int(opt.micro_steps.numpy()) == 3
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the torch backend's eager core path")
+def test_torch_core_micro_step_writes_no_keras_variable(monkeypatch):
+    opt, variables = _setup()
+    opt.apply(_grads(0), variables)  # builds the core path
+    writes = []
+    original = keras.Variable.assign
+
+    def counting(self, value):
+        writes.append(self.path)
+        return original(self, value)
+
+    monkeypatch.setattr(keras.Variable, "assign", counting)
+    for seed in (1, 2):  # middle micro-steps
+        opt.apply(_grads(seed), variables)
+    assert writes == []
+    assert int(opt.counter("micro_step").numpy()) == 3
+    assert int(opt.micro_steps.numpy()) == 3
+    assert float(opt.counter("total_weight").numpy()) == 3.0
