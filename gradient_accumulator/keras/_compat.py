@@ -94,6 +94,15 @@ REACHES = (
         "the optimizer wrapper learning that a LossScaleOptimizer wraps it "
         "(loss_scale_optimizer_wrapping, from keras/optimizer.py)",
     ),
+    Reach(
+        "keras",
+        "keras.optimizers.Optimizer.apply = _filter_empty_gradients, "
+        "_overwrite_variables_directly_with_gradients, loss_scale_factor, "
+        "_backend_apply_gradients, constraints, then iterations + 1",
+        KERAS,
+        "the inner update in a conditional under a tf.distribute strategy without merge_call "
+        "(apply_uncounted, from keras/_tf_shell.py)",
+    ),
 )
 
 
@@ -161,6 +170,31 @@ def install_fit_hook(on_fit: Callable[[Any, Any], None]) -> None:
 
     set_model._fit_hook = True  # type: ignore[attr-defined]
     cls.set_model = set_model
+
+
+def apply_uncounted(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
+    """``optimizer.apply(grads, variables)`` without its ``iterations += 1``; the caller counts.
+
+    For a branch of a conditional in a replica context without ``merge_call`` (TensorFlow runs
+    a step so under XLA when every device is a GPU): the counter is a first-replica variable,
+    whose update there still broadcasts through a ``merge_call``, which a branch cannot hold.
+    An optimizer with its own ``apply`` (a ``LossScaleOptimizer``) is applied as it is.
+    """
+    if type(optimizer).apply is not keras.optimizers.Optimizer.apply:
+        optimizer.apply(grads, variables)
+        return
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        grads, variables = optimizer._filter_empty_gradients(grads, variables)
+        grads, variables = optimizer._overwrite_variables_directly_with_gradients(grads, variables)
+        if not list(grads):
+            return
+        scale = optimizer.loss_scale_factor
+        if scale is not None:
+            grads = [g if g is None else g / scale for g in grads]
+        optimizer._backend_apply_gradients(grads, variables)
+        for variable in variables:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
 
 
 def warn_deprecated(what: str, instead: str, stacklevel: int = 3) -> None:

@@ -26,6 +26,11 @@ from gradient_accumulator._engine import Cycle, grad_scale
 from gradient_accumulator.keras._compat import to_numpy
 
 
+def _torch_tensor(g: Any) -> Any:
+    """``g`` as a torch tensor: itself, or converted as Keras converts it (on Keras's device)."""
+    return g if isinstance(g, torch.Tensor) else keras.ops.convert_to_tensor(g)
+
+
 class CycleVariables(NamedTuple):
     """The wrapper's Keras variables the cycle lives in (saved with the model)."""
 
@@ -210,7 +215,8 @@ class CorePath:
         self._refresh()
         c = self.cycle
         weight = 1.0 if self.settings.reduction == "SUM" else float(self.state.batch_weight.value)
-        tensors = [None if g is None else g.detach().contiguous() for g in grads]
+        # NumPy arrays (and other array-likes) are taken as the other backends take them.
+        tensors = [None if g is None else _torch_tensor(g).detach().contiguous() for g in grads]
         seen_before = list(c.seen)
         first = c.micro_step == 0
         norm = c.boundary_next and c.reduction != "running_mean" and not c.cuda

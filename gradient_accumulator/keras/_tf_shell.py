@@ -17,7 +17,7 @@ import numpy as np
 from keras import ops
 
 from gradient_accumulator.keras import _cycle
-from gradient_accumulator.keras._compat import after
+from gradient_accumulator.keras._compat import after, apply_uncounted
 
 _BACKEND = keras.backend.backend()
 
@@ -268,6 +268,8 @@ class StatefulShell:
                 update()
             else:
                 ops.cond(end.do_update, update, lambda: None)
+            if strategy is not None:  # no merge_call: counted here, not in the branch
+                self._count_inner_update(end.do_update, choice)
         state = end.state
         if self.mixed_precision:
             self._loss_scale.assign(state.loss_scale)
@@ -277,6 +279,19 @@ class StatefulShell:
         self._micro_step.assign(state.micro_step)
         self._total_weight.assign(state.total_weight)
         self._nonfinite.assign(state.nonfinite)
+
+    def _count_inner_update(self, do_update: Any, choice: tuple) -> None:
+        """The inner optimizer's ``iterations += 1`` of an update run in a conditional's branch
+        without merge_call (:func:`apply_uncounted`): once if the cycle updated any variable."""
+        if type(self.optimizer).apply is not keras.optimizers.Optimizer.apply:
+            return  # its own apply ran, and counted (apply_uncounted)
+        pred, if_true, if_false = choice
+        if isinstance(pred, bool):
+            some = bool(if_true if pred else if_false)
+        else:
+            some = ops.where(pred, bool(if_true), bool(if_false))
+        counted = ops.logical_and(ops.convert_to_tensor(do_update), some)
+        self.optimizer.iterations.assign_add(ops.cast(counted, self.optimizer.iterations.dtype))
 
     def _merged_boundary(
         self, boundary: Any, verdict: Any, choice: tuple, variables: list[Any]
@@ -372,6 +387,14 @@ class StatefulShell:
         accs = [self._accumulators[self._get_variable_index(v)].value for v in variables]
         strategy = _strategy()
         summed = strategy is not None and self._clips()
+        # Without merge_call the update runs in a branch of the replica context: the inner
+        # optimizer's count moves after the conditional (_count_inner_update).
+        apply = self.optimizer.apply
+        if strategy is not None and _no_merge_call():
+
+            def apply(grads: list[Any], variables: list[Any]) -> None:
+                apply_uncounted(self.optimizer, grads, variables)
+
         if summed:
             import tensorflow as tf
 
@@ -388,7 +411,7 @@ class StatefulShell:
             self._grad_scale(self._total_weight, self._loss_scale),
         )
         if not summed:
-            self.optimizer.apply(grads, variables)
+            apply(grads, variables)
             return
         # Every replica holds the same clipped gradient: the inner optimizer takes it as it is,
         # without summing it over the replicas a second time (Keras's TensorFlow optimizers
@@ -400,12 +423,12 @@ class StatefulShell:
             opt = getattr(opt, "inner_optimizer", None)
         if not all(hasattr(o, "_all_reduce_sum_gradients") for o in chain):
             replicas = strategy.num_replicas_in_sync
-            self.optimizer.apply([g / replicas for g in grads], variables)
+            apply([g / replicas for g in grads], variables)
             return
         for opt in chain:
             vars(opt)["_all_reduce_sum_gradients"] = _already_reduced
         try:
-            self.optimizer.apply(grads, variables)
+            apply(grads, variables)
         finally:
             for opt in chain:
                 vars(opt).pop("_all_reduce_sum_gradients", None)

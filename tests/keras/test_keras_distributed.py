@@ -225,3 +225,53 @@ def test_a_nan_on_one_replica_drops_the_cycle_on_every_replica(mixed_precision):
     if mixed_precision:
         assert float(keras.ops.convert_to_numpy(opt.loss_scale)) == opt.initial_scale / 2
     assert rel_diff(flat(model), flat(ref)) <= TOL
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute's merge_call")
+@pytest.mark.parametrize("use_agc", [False, True], ids=["plain", "agc"])
+def test_a_nan_on_one_replica_without_merge_call(monkeypatch, use_agc):
+    """A strategy that runs the step without ``merge_call`` (TensorFlow does so under XLA when
+    every device is a GPU: ``strategy_supports_no_merge_call``): the replicas agree on the
+    verdict by one all-reduce at the boundary, and every replica skips the same cycle. The
+    scenario above, with merge_call switched off on the two CPUs; with AGC the cycle's gradient
+    is summed over the replicas in the update's branch. Before, the inner optimizer's count
+    (a first-replica variable, whose update needs a merge_call) failed inside the branch."""
+    from gradient_accumulator.keras import _tf_shell
+
+    strategy = mirrored(2)
+    monkeypatch.setattr(strategy.extended, "_use_merge_call", lambda: False)
+    agreed = []
+
+    def summed(at, verdict):
+        agreed.append(at)
+        return _summed_over_replicas(at, verdict)
+
+    _summed_over_replicas = _tf_shell._summed_over_replicas
+    monkeypatch.setattr(_tf_shell, "_summed_over_replicas", summed)
+    x, y = data()
+    bad = ACCUM * MICRO + 1  # second cycle, first micro-batch, second sample: replica 1
+    keep = np.r_[0 : ACCUM * MICRO, 2 * ACCUM * MICRO : len(x)]
+    ref_inputs, ref_outputs = mlp()
+    ref = keras.Model(ref_inputs, ref_outputs)
+    ref.compile(
+        GradientAccumulateOptimizer(make_inner("Adam"), accum_steps=1, use_agc=use_agc),
+        loss="mse",
+    )
+    ref.fit(x[keep], y[keep], batch_size=ACCUM * MICRO, shuffle=False, verbose=0)
+    x = x.copy()
+    x[bad, 0] = np.nan
+    with strategy.scope():
+        inputs, outputs = mlp()
+        model = GradientAccumulateModel(
+            accum_steps=ACCUM, use_agc=use_agc, inputs=inputs, outputs=outputs
+        )
+        model.compile(make_inner("Adam"), loss="mse")
+    with pytest.warns(NonFiniteGradientWarning, match="1 cycle skipped"):
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    opt = model.optimizer
+    assert agreed, "the no-merge_call agreement was not traced"
+    updates = len(keep) // (ACCUM * MICRO)
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == updates
+    assert int(keras.ops.convert_to_numpy(opt.optimizer.iterations)) == updates
+    assert opt.nonfinite_skipped == 1
+    assert rel_diff(flat(model), flat(ref)) <= TOL

@@ -7,6 +7,7 @@ checked against.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import keras
@@ -129,6 +130,41 @@ def _loss_scale_frame() -> None:
     assert (opt.initial_scale, opt.dynamic_growth_steps) == (32.0, 7)
 
 
+def _apply_parts() -> None:
+    # apply_uncounted is Keras's apply without the count: the same update bit for bit (with a
+    # loss-scale factor, a missing gradient and a constraint), iterations left alone.
+    from gradient_accumulator.keras._compat import apply_uncounted
+
+    def setup() -> tuple:
+        opt = keras.optimizers.Adam(0.1, loss_scale_factor=4.0)
+        vs = [
+            keras.Variable(np.linspace(-1, 1, 6, dtype="float32").reshape(2, 3)),
+            keras.Variable(np.full(3, 0.05, "float32")),
+            keras.Variable(np.ones(2, "float32")),
+        ]
+        vs[1].constraint = keras.constraints.NonNeg()
+        opt.build(vs)
+        return opt, vs
+
+    grads = [
+        keras.ops.convert_to_tensor(np.full((2, 3), 0.3, "float32")),
+        keras.ops.convert_to_tensor(np.full(3, 9.0, "float32")),
+        None,
+    ]
+    counted, a = setup()
+    uncounted, b = setup()
+    for _ in range(2):
+        with warnings.catch_warnings():  # both warn of the missing gradient alike
+            warnings.filterwarnings("ignore", message="Gradients do not exist")
+            counted.apply(grads, a)
+            apply_uncounted(uncounted, grads, b)
+        assert int(uncounted.iterations) == int(counted.iterations) - 1, "it counted"
+        uncounted.iterations.assign_add(1)  # as the caller does, after the conditional
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(x), keras.ops.convert_to_numpy(y))
+    assert float(keras.ops.convert_to_numpy(a[1]).min()) == 0.0, "the constraint did not run"
+
+
 PROBES: dict[str, Callable[[], None]] = dict(
     zip(
         [r.target for r in _compat.REACHES],
@@ -142,6 +178,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
             _fit_hook,
             _clone_frame,
             _loss_scale_frame,
+            _apply_parts,
         ],
     )
 )

@@ -4,7 +4,8 @@ Keras variable writes of the torch backend's eager path (benchmarks/keras_step.p
 TensorFlow without a strategy: one conditional picks the micro-step's phase, and a middle
 micro-step adds each weighted gradient in place in one op (no multiply, no select), with the
 same rounding as ``acc + w·g``. The torch backend's core path mirrors the cycle's counters into
-the variables in place, with no Keras ``assign`` per micro-step.
+the variables in place, with no Keras ``assign`` per micro-step. JAX run eagerly: a warm step
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -107,3 +108,44 @@ def test_torch_core_micro_step_writes_no_keras_variable(monkeypatch):
     assert int(opt.counter("micro_step").numpy()) == 3
     assert int(opt.micro_steps.numpy()) == 3
     assert float(opt.counter("total_weight").numpy()) == 3.0
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's conditional outside a trace")
+def test_jax_eager_step_compiles_nothing_once_warm():
+    # run_eagerly=True: each step used to compile a lax.cond over the whole cycle end (its
+    # branches are new closures every step): 0.2 s a step on a CPU, minutes for one test on an
+    # H200. Once the first cycles have compiled the eager ops' kernels, nothing compiles.
+    import logging
+
+    import jax
+
+    from gradient_accumulator.keras import GradientAccumulateModel
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 5)).astype("float32")
+    y = rng.normal(size=(4, 1)).astype("float32")
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(3, activation="relu")(inputs))
+    model = GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
+    model.compile(keras.optimizers.Adam(0.01), loss="mse", run_eagerly=True)
+    for _ in range(4):
+        model.train_on_batch(x, y)
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(level=logging.DEBUG)
+    root = logging.getLogger("jax")
+    root.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            for _ in range(4):
+                model.train_on_batch(x, y)
+    finally:
+        root.removeHandler(handler)
+    compiles = [m for m in messages if "ompil" in m]
+    assert compiles == [], compiles[:3]
+    assert int(model.optimizer.iterations) == 4
