@@ -1,7 +1,9 @@
 """GPU benchmark of the CUDA kernels against PyTorch's own, side by side in one run.
 
 Operations (fp32 accumulators, parameters and optimizer state; bf16 micro-batch gradients), on
-GPT-2-small shapes (124M parameters, 148 tensors) and a 1B-parameter GPT-2-shaped set:
+GPT-2-small shapes (124M parameters, 148 tensors) and a 1B-parameter GPT-2-shaped set. Ours
+is called on registered tensor sets (``core.tensor_set``), as the torch wrapper calls it; the
+accumulate is also timed on plain lists:
 
 * accumulate:  acc += g (bf16 → fp32): ``torch._foreach_add_`` vs ``core.accumulate``;
 * apply:       average (×1/k) + global-norm clip + AdamW + zero: torch's foreach and fused
@@ -183,10 +185,14 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
         p.grad = a
     pd = [p.detach() for p in params]
 
+    # Ours as the torch wrapper calls it: registered tensor sets (checked once; a call re-checks
+    # data pointers and shapes), and as plain lists (every tensor exported and checked per call).
+    s_accs, s_pd = core.tensor_set(accs), core.tensor_set(pd)
     res = timed(
         {
             "torch _foreach_add_(acc, g_bf16)": lambda: torch._foreach_add_(accs, grads),
-            "core.accumulate": lambda: core.accumulate(accs, grads),
+            "core.accumulate, lists": lambda: core.accumulate(accs, grads),
+            "core.accumulate": lambda: core.accumulate(s_accs, grads),
         },
         None,
         repeats,
@@ -201,20 +207,21 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
     step = [0]
     m = [torch.zeros_like(p) for p in pd]
     v = [torch.zeros_like(p) for p in pd]
+    s_m, s_v = core.tensor_set(m), core.tensor_set(v)
 
     def ours() -> None:
         step[0] += 1
         core.apply(
-            pd,
-            accs,
+            s_pd,
+            s_accs,
             optimizer="adamw",
             lr=LR,
             weight_decay=WD,
             grad_scale=1.0 / K,
             max_norm=MAX_NORM,
             reset=True,
-            state1=m,
-            state2=v,
+            state1=s_m,
+            state2=s_v,
             step=step[0],
         )
 
@@ -231,7 +238,7 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
         warmup,
     )
     record("apply AdamW cycle", res, "core.apply(adamw, max_norm)", "apply_adamw")
-    opt_fe = opt_fu = m = v = None
+    opt_fe = opt_fu = m = v = s_m = s_v = None
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -239,7 +246,7 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
         {
             "torch per-tensor loop": lambda: torch_agc(pd, accs),
             "core.adaptive_clip": lambda: core.adaptive_clip(
-                pd, accs, clip_factor=AGC_LAMBDA, eps=AGC_EPS
+                s_pd, s_accs, clip_factor=AGC_LAMBDA, eps=AGC_EPS
             ),
         },
         refill,
@@ -247,7 +254,7 @@ def bench_shapes(label: str, shapes, repeats: int, warmup: int, bw: float) -> li
         warmup,
     )
     record("AGC", res, "core.adaptive_clip", "agc")
-    grads = params = accs = pd = None
+    grads = params = accs = pd = s_accs = s_pd = None
     gc.collect()
     torch.cuda.empty_cache()
     return rows

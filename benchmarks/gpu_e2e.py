@@ -13,7 +13,10 @@ Configurations (models built from a ``transformers.GPT2Config``, random tokens):
 * a 1.3B configuration (24 layers, d = 2048) at micro-batch 2 × 1024, bf16 autocast.
 
 Times are CUDA-event medians over cycles after warm-up cycles; peak memory is
-``torch.cuda.max_memory_allocated`` over the timed cycles. ``--smoke`` runs a two-layer model for
+``torch.cuda.max_memory_allocated`` over the timed cycles. The recipes run in rounds ordered
+naive, ours, ours, naive (``--rounds``, default 2: ABBA), each in a fresh model, so that a drift of
+the machine over the run (clocks, the host) falls on both alike; each round's time is printed,
+and the ratio is that of the medians over rounds. ``--smoke`` runs a two-layer model for
 one cycle on the CPU and checks that both recipes reach the same weights (what CI runs).
 
 Usage:
@@ -32,7 +35,13 @@ import time
 
 import torch
 
-from gradient_accumulator.torch import GradientAccumulateOptimizer
+try:
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
+except ImportError:  # run from a checkout
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from gradient_accumulator.torch import GradientAccumulateOptimizer
 
 LR, WD, CLIP = 3e-4, 0.01, 1.0
 
@@ -142,6 +151,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["124m", "1.3b"], help="one model size")
     ap.add_argument("--cycles", type=int, default=6, help="timed cycles per run (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="runs of each recipe, ordered ABBA (default 2)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, then exit")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
@@ -158,10 +170,17 @@ def main() -> None:
         if args.only and not name.startswith(args.only):
             continue
         batches = make_batches(cfg, args.warmup + args.cycles, "cuda")
-        row = {}
-        for kind in ("naive", "ours"):
+        order = [("naive", "ours")[(r + r // 2) % 2] for r in range(2 * args.rounds)]
+        rounds: dict[str, list[float]] = {"naive": [], "ours": []}
+        peak: dict[str, float] = {"naive": 0.0, "ours": 0.0}
+        for kind in order:  # naive, ours, ours, naive, naive, ours, ...
             r = run(kind, cfg, batches, "cuda", args.warmup)
-            row[kind] = dict(ms=r["ms"], peak_gib=r["peak_gib"])
+            rounds[kind].append(r["ms"])
+            peak[kind] = max(peak[kind], r["peak_gib"])
+        row = {
+            k: dict(ms=statistics.median(v), rounds_ms=v, peak_gib=peak[k])
+            for k, v in rounds.items()
+        }
         row["ratio"] = row["ours"]["ms"] / row["naive"]["ms"]
         results[name] = row
         print(
@@ -171,6 +190,8 @@ def main() -> None:
             f"{row['ratio']:.3f}",
             flush=True,
         )
+        for k, v in rounds.items():
+            print(f"{'':<15} {k} per round (ms/cycle): " + ", ".join(f"{t:.1f}" for t in v))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, torch=torch.__version__, results=results), f, indent=1)

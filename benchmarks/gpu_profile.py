@@ -1,10 +1,11 @@
 """Where the time of one core call goes on the GPU: kernels launched, their device time against
 the bandwidth floor, and the host time of the call.
 
-For each call — ``core.accumulate`` (bf16 gradients into fp32 accumulators, as a tensor list
-and as one flat tensor), ``core.sum_of_squares``, ``core.apply`` (÷k + global-norm clip + AdamW +
-zero) and ``core.adaptive_clip`` — on GPT-2 shapes (124M: 148 tensors; 1B: 220 tensors), and
-torch's own equivalent beside it (``_foreach_add_``, a flat ``add_``, the fused AdamW pipeline):
+For each call — ``core.accumulate`` (bf16 gradients into fp32 accumulators: on registered tensor
+sets as the torch wrapper calls it, on plain lists, and as one flat tensor),
+``core.sum_of_squares``, ``core.apply`` (÷k + global-norm clip + AdamW + zero) and
+``core.adaptive_clip`` — on GPT-2 shapes (124M: 148 tensors; 1B: 220 tensors), and torch's own
+equivalent beside it (``_foreach_add_``, a flat ``add_``, the fused AdamW pipeline):
 
 * kernels: device kernels (and memsets) that one call enqueues, from torch.profiler (CUPTI);
 * kernel ms: the sum of their durations; ``x floor``: that over the floor — nominal bytes per
@@ -107,20 +108,23 @@ def calls(shapes) -> list[tuple[str, str, bool, Callable[[], object]]]:
     flat_acc = torch.randn(n, generator=g, device=DEV)
     flat_g = torch.randn(n, generator=g, device=DEV).bfloat16()
     step = [0]
+    # Ours as the torch wrapper calls it: registered tensor sets (see host_cost.py).
+    s_params, s_accs = core.tensor_set(params), core.tensor_set(accs)
+    s_m, s_v = core.tensor_set(m), core.tensor_set(v)
 
     def ours_apply() -> None:
         step[0] += 1
         core.apply(
-            params,
-            accs,
+            s_params,
+            s_accs,
             optimizer="adamw",
             lr=LR,
             weight_decay=WD,
             grad_scale=1.0 / K,
             max_norm=MAX_NORM,
             reset=True,
-            state1=m,
-            state2=v,
+            state1=s_m,
+            state2=s_v,
             step=step[0],
         )
 
@@ -137,7 +141,8 @@ def calls(shapes) -> list[tuple[str, str, bool, Callable[[], object]]]:
         torch._foreach_zero_(grads_)
 
     return [
-        ("accumulate", "core.accumulate", True, lambda: core.accumulate(accs, grads)),
+        ("accumulate", "core.accumulate", True, lambda: core.accumulate(s_accs, grads)),
+        ("accumulate", "core.accumulate, lists", True, lambda: core.accumulate(accs, grads)),
         (
             "accumulate",
             "core.accumulate, one flat tensor",
@@ -146,7 +151,7 @@ def calls(shapes) -> list[tuple[str, str, bool, Callable[[], object]]]:
         ),
         ("accumulate", "torch._foreach_add_", False, lambda: torch._foreach_add_(accs, grads)),
         ("accumulate", "torch add_, one flat tensor", False, lambda: flat_acc.add_(flat_g)),
-        ("global_norm", "core.sum_of_squares", True, lambda: core.sum_of_squares(accs)),
+        ("global_norm", "core.sum_of_squares", True, lambda: core.sum_of_squares(s_accs)),
         ("global_norm", "torch._foreach_norm", False, lambda: torch._foreach_norm(accs)),
         ("apply_adamw", "core.apply adamw + clip", True, ours_apply),
         ("apply_adamw", "torch scale+clip+fused AdamW+zero", False, torch_apply),
@@ -154,7 +159,7 @@ def calls(shapes) -> list[tuple[str, str, bool, Callable[[], object]]]:
             "agc",
             "core.adaptive_clip",
             True,
-            lambda: core.adaptive_clip(params, accs, clip_factor=0.01, eps=1e-3),
+            lambda: core.adaptive_clip(s_params, s_accs, clip_factor=0.01, eps=1e-3),
         ),
     ]
 

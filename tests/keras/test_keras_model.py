@@ -437,7 +437,9 @@ def test_no_deprecation_warning_with_warnings_as_errors(backend, tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(_WARNINGS_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=root)
+    # The checkout first, then whatever the caller's path holds (a GPU machine's carried wheels).
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=path)
     out = subprocess.run(
         [sys.executable, "-W", "error::DeprecationWarning", str(script)],
         env=env,
