@@ -33,7 +33,7 @@ namespace cuda {
 
 constexpr int kThreads = 256;  // threads per block of the chunked kernels
 constexpr int kWarp = 32;
-constexpr int kVec = 8;            // elements a thread handles per step: 16-byte loads
+constexpr int kVec = 8;  // elements a thread handles per step: 16-byte loads
 // Elements per chunk: one block's unit of work. GA_CUDA_CHUNK changes it for an experiment
 // build only (tools/gpu_chunk_sweep.sh); the CPU core's chunks (core/internal.h) stay 16384.
 #ifndef GA_CUDA_CHUNK
@@ -41,7 +41,7 @@ constexpr int kVec = 8;            // elements a thread handles per step: 16-byt
 #endif
 constexpr int64_t kChunk = GA_CUDA_CHUNK;
 static_assert(kChunk > 0 && kChunk % kVec == 0, "GA_CUDA_CHUNK must be a multiple of 8");
-constexpr int kMaxTensors = 48;    // tensors per launch (the argument block stays < 4 KiB)
+constexpr int kMaxTensors = 48;  // tensors per launch (the argument block stays < 4 KiB)
 
 struct bf16 {
   uint16_t bits;
