@@ -172,6 +172,12 @@ def install_fit_hook(on_fit: Callable[[Any, Any], None]) -> None:
     cls.set_model = set_model
 
 
+def applies_itself(optimizer: Any) -> bool:
+    """Whether ``optimizer`` has its own ``apply`` (a ``LossScaleOptimizer``), which
+    :func:`apply_uncounted` runs as it is, count included."""
+    return type(optimizer).apply is not keras.optimizers.Optimizer.apply
+
+
 def apply_uncounted(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
     """``optimizer.apply(grads, variables)`` without its ``iterations += 1``; the caller counts.
 
@@ -180,7 +186,7 @@ def apply_uncounted(optimizer: Any, grads: list[Any], variables: list[Any]) -> N
     whose update there still broadcasts through a ``merge_call``, which a branch cannot hold.
     An optimizer with its own ``apply`` (a ``LossScaleOptimizer``) is applied as it is.
     """
-    if type(optimizer).apply is not keras.optimizers.Optimizer.apply:
+    if applies_itself(optimizer):
         optimizer.apply(grads, variables)
         return
     with keras.name_scope(optimizer.name, caller=optimizer):

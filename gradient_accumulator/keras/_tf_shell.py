@@ -9,6 +9,7 @@ replicas' verdicts and, with clipping, their accumulators are reduced once per c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 from keras import ops
 
 from gradient_accumulator.keras import _cycle
-from gradient_accumulator.keras._compat import after, apply_uncounted
+from gradient_accumulator.keras._compat import after, applies_itself, apply_uncounted
 
 _BACKEND = keras.backend.backend()
 
@@ -283,8 +284,8 @@ class StatefulShell:
     def _count_inner_update(self, do_update: Any, choice: tuple) -> None:
         """The inner optimizer's ``iterations += 1`` of an update run in a conditional's branch
         without merge_call (:func:`apply_uncounted`): once if the cycle updated any variable."""
-        if type(self.optimizer).apply is not keras.optimizers.Optimizer.apply:
-            return  # its own apply ran, and counted (apply_uncounted)
+        if applies_itself(self.optimizer):
+            return  # its own apply ran, and counted
         pred, if_true, if_false = choice
         if isinstance(pred, bool):
             some = bool(if_true if pred else if_false)
@@ -391,9 +392,7 @@ class StatefulShell:
         # optimizer's count moves after the conditional (_count_inner_update).
         apply = self.optimizer.apply
         if strategy is not None and _no_merge_call():
-
-            def apply(grads: list[Any], variables: list[Any]) -> None:
-                apply_uncounted(self.optimizer, grads, variables)
+            apply = functools.partial(apply_uncounted, self.optimizer)
 
         if summed:
             import tensorflow as tf

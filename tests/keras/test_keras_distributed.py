@@ -192,19 +192,29 @@ def test_flush_outside_the_scope_applies_what_the_boundary_applies():
     np.testing.assert_allclose(out[1], out[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("mixed_precision", [False, True], ids=["on_nonfinite", "loss_scale"])
-def test_a_nan_on_one_replica_drops_the_cycle_on_every_replica(mixed_precision):
-    """A NaN sample seen by one replica only: every replica skips the same cycle, so the result
-    is the run without that cycle's samples (and under loss scaling the scale halves once)."""
+def _nan_case(use_agc=False):
+    """The data with a NaN that replica 1 sees in the second cycle, the indices of the samples
+    outside that cycle, and the big-batch reference trained on those alone."""
     x, y = data()
     bad = ACCUM * MICRO + 1  # second cycle, first micro-batch, second sample: replica 1
     keep = np.r_[0 : ACCUM * MICRO, 2 * ACCUM * MICRO : len(x)]
     ref_inputs, ref_outputs = mlp()
     ref = keras.Model(ref_inputs, ref_outputs)
-    ref.compile(GradientAccumulateOptimizer(make_inner("Adam"), accum_steps=1), loss="mse")
+    ref.compile(
+        GradientAccumulateOptimizer(make_inner("Adam"), accum_steps=1, use_agc=use_agc),
+        loss="mse",
+    )
     ref.fit(x[keep], y[keep], batch_size=ACCUM * MICRO, shuffle=False, verbose=0)
     x = x.copy()
     x[bad, 0] = np.nan
+    return x, y, keep, ref
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["on_nonfinite", "loss_scale"])
+def test_a_nan_on_one_replica_drops_the_cycle_on_every_replica(mixed_precision):
+    """A NaN sample seen by one replica only: every replica skips the same cycle, so the result
+    is the run without that cycle's samples (and under loss scaling the scale halves once)."""
+    x, y, keep, ref = _nan_case()
     _, scope = _scope()
     with scope:
         inputs, outputs = mlp()
@@ -248,18 +258,7 @@ def test_a_nan_on_one_replica_without_merge_call(monkeypatch, use_agc):
 
     _summed_over_replicas = _tf_shell._summed_over_replicas
     monkeypatch.setattr(_tf_shell, "_summed_over_replicas", summed)
-    x, y = data()
-    bad = ACCUM * MICRO + 1  # second cycle, first micro-batch, second sample: replica 1
-    keep = np.r_[0 : ACCUM * MICRO, 2 * ACCUM * MICRO : len(x)]
-    ref_inputs, ref_outputs = mlp()
-    ref = keras.Model(ref_inputs, ref_outputs)
-    ref.compile(
-        GradientAccumulateOptimizer(make_inner("Adam"), accum_steps=1, use_agc=use_agc),
-        loss="mse",
-    )
-    ref.fit(x[keep], y[keep], batch_size=ACCUM * MICRO, shuffle=False, verbose=0)
-    x = x.copy()
-    x[bad, 0] = np.nan
+    x, y, keep, ref = _nan_case(use_agc)
     with strategy.scope():
         inputs, outputs = mlp()
         model = GradientAccumulateModel(
