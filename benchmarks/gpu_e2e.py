@@ -23,6 +23,7 @@ Usage:
     python benchmarks/gpu_e2e.py                    # all three configurations
     python benchmarks/gpu_e2e.py --only 124m        # 124M, both precisions
     python benchmarks/gpu_e2e.py --smoke            # CPU, seconds
+    python benchmarks/gpu_e2e.py --only 124m --rounds 1 --profile   # and where a cycle goes
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def make_batches(cfg: dict, cycles: int, device: str) -> list[list[torch.Tensor]
     ]
 
 
-def run(kind: str, cfg: dict, batches, device: str, warmup: int) -> dict:
-    """Train `kind` ("naive" or "ours") over `batches`; times of the cycles after `warmup`."""
+def run(kind: str, cfg: dict, batches, device: str, warmup: int, profile: bool = False) -> dict:
+    """Train `kind` ("naive" or "ours") over `batches`; times of the cycles after `warmup`.
+    With `profile`, the first timed cycle runs under torch.profiler, returned as "profile"."""
     model = make_model(cfg, device)
     fused = device == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=fused)
@@ -96,7 +98,14 @@ def run(kind: str, cfg: dict, batches, device: str, warmup: int) -> dict:
     autocast = device == "cuda" and not cfg["pure_bf16"]
     times = []
     cuda = device == "cuda"
+    prof = None
     for c, cycle in enumerate(batches):
+        if profile and c == warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=activities)
+            prof.__enter__()
         if cuda and c == warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -127,19 +136,34 @@ def run(kind: str, cfg: dict, batches, device: str, warmup: int) -> dict:
             elapsed = time.perf_counter() - t0
         if c >= warmup:
             times.append(elapsed)
+        if prof is not None and c == warmup:
+            prof.__exit__(None, None, None)
     flat = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     del model, opt, acc
     if cuda:
         torch.cuda.empty_cache()
-    return dict(ms=1e3 * statistics.median(times), peak_gib=peak / 2**30, weights=flat)
+    return dict(
+        ms=1e3 * statistics.median(times), peak_gib=peak / 2**30, weights=flat, profile=prof
+    )
 
 
-def smoke() -> None:
+def print_profile(kind: str, r: dict, cuda: bool) -> None:
+    """Where one cycle's time went: the top ops by device time and by host time."""
+    table = r["profile"].key_averages()
+    print(f"\n-- profile of one cycle, {kind} ({r['ms']:.1f} ms/cycle median) --")
+    if cuda:
+        print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+
+
+def smoke(profile: bool = False) -> None:
     """Both recipes on a tiny model on the CPU: one cycle, the same weights (fp32, 1e-5)."""
     batches = make_batches(SMOKE, 2, "cpu")
     naive = run("naive", SMOKE, batches, "cpu", warmup=0)
-    ours = run("ours", SMOKE, batches, "cpu", warmup=0)
+    ours = run("ours", SMOKE, batches, "cpu", warmup=0, profile=profile)
+    if profile:
+        print_profile("ours", ours, cuda=False)
     rel = float((ours["weights"] - naive["weights"]).abs().max() / naive["weights"].abs().max())
     print(f"smoke: ours vs naive after 2 cycles: max rel diff {rel:.2e}")
     if not rel <= 1e-5:
@@ -155,10 +179,16 @@ def main() -> None:
         "--rounds", type=int, default=2, help="runs of each recipe, ordered ABBA (default 2)"
     )
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, then exit")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed rounds, one more run of each recipe with a cycle under "
+        "torch.profiler: top ops by device and host time",
+    )
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     if args.smoke:
-        smoke()
+        smoke(args.profile)
         return
     if not torch.cuda.is_available():
         sys.exit("needs a GPU (or --smoke)")
@@ -192,6 +222,9 @@ def main() -> None:
         )
         for k, v in rounds.items():
             print(f"{'':<15} {k} per round (ms/cycle): " + ", ".join(f"{t:.1f}" for t in v))
+        if args.profile:
+            for kind in ("naive", "ours"):
+                print_profile(kind, run(kind, cfg, batches, "cuda", args.warmup, True), cuda=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, torch=torch.__version__, results=results), f, indent=1)

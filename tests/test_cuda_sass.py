@@ -120,3 +120,27 @@ def test_no_hot_kernel_spills_registers(compiled):
     for kernel, (fragment, _) in HOT.items():
         regs = [r for n, (r, _) in kernels.items() if fragment in n]
         print(f"{kernel}: {regs[0] if regs else '?'} registers, 0 spills")
+
+
+def test_the_kernel_variant_benchmark_compiles(tmp_path):
+    """benchmarks/cuda/accumulate_variants.cu (run on GPU machines by
+    tools/gpu_accumulate_variants.sh) includes the library's launch code: a change there that
+    breaks it fails here, not on a lease. Every (chunk, unroll) pair the script builds compiles."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    src = ROOT / "benchmarks" / "cuda" / "accumulate_variants.cu"
+    script = (ROOT / "tools" / "gpu_accumulate_variants.sh").read_text()
+    chunks = re.search(r"^chunks=\(([\d ]+)\)", script, re.M).group(1).split()
+    unrolls = re.search(r"^unrolls=\(([\d ]+)\)", script, re.M).group(1).split()
+    assert "16384" in chunks and "1" in unrolls  # the library's defaults are among them
+    for chunk, unroll in [(chunks[0], unrolls[-1]), (chunks[-1], unrolls[0])]:
+        proc = subprocess.run(
+            [nvcc, *FLAGS, f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'core'}"]
+            + [f"-DGA_CUDA_CHUNK={chunk}", f"-DGA_CUDA_ACCUMULATE_UNROLL={unroll}"]
+            + ["-c", str(src), "-o", str(tmp_path / f"av-{chunk}-{unroll}.o")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]

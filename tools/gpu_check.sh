@@ -62,7 +62,7 @@ if [ $full -eq 1 ]; then
 fi
 parallel=""
 if [ $dry -eq 1 ] || $py -c "import xdist" 2>/dev/null; then
-  parallel="-n 4"
+  parallel="-n 4 -p no:benchmark"  # pytest-benchmark warns under xdist: an error here
 fi
 
 # name | time limit (s) | command

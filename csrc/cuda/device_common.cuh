@@ -35,7 +35,8 @@ constexpr int kThreads = 256;  // threads per block of the chunked kernels
 constexpr int kWarp = 32;
 constexpr int kVec = 8;  // elements a thread handles per step: 16-byte loads
 // Elements per chunk: one block's unit of work. GA_CUDA_CHUNK changes it for an experiment
-// build only (tools/gpu_chunk_sweep.sh); the CPU core's chunks (core/internal.h) stay 16384.
+// build only (tools/gpu_accumulate_variants.sh); the CPU core's chunks (core/internal.h) stay
+// 16384.
 #ifndef GA_CUDA_CHUNK
 #define GA_CUDA_CHUNK 16384
 #endif

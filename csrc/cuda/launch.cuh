@@ -128,6 +128,20 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) post(v);
 }
 
+/// Blocks of a chunked launch over `n` chunks (see Grid in ops.h); `per_sm`: resident blocks of
+/// the kernel per SM (not used by Grid::kPerChunk).
+template <typename Op>
+inline int chunk_blocks(int64_t n, int sms, int per_sm) {
+  switch (grid_of<Op>::value) {
+    case Grid::kPerChunk:
+      return static_cast<int>(n);  // n < 2^31: the chunk starts are int32
+    case Grid::kTwoPerSm:
+      return static_cast<int>(std::min<int64_t>(n, int64_t(sms) * std::min(per_sm, 2)));
+    default:
+      return static_cast<int>(std::min<int64_t>(n, int64_t(sms) * per_sm));
+  }
+}
+
 // ---- errors ----
 
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
@@ -182,20 +196,22 @@ class CudaBackend {
   template <bool Reduce, int L, typename Op>
   void chunks(const Meta<L>& m, const Op& op, int64_t n, double* partials, float* flag) {
     if (n == 0) return;
-    // One wave of resident blocks: as many as the kernel's registers let every SM hold (asked
-    // once per kernel and device), each walking chunks grid-stride, so that every SM has its
-    // full complement of loads in flight and no block waits for a second wave.
-    static std::atomic<int> resident[kCachedDevices] = {};
     max_blocks();
-    int per_sm = device_ < kCachedDevices ? resident[device_].load(std::memory_order_relaxed) : 0;
-    if (per_sm == 0) {
-      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_kernel<Reduce, L, Op>,
-                                                          kThreads, 0),
-            "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      per_sm = std::max(per_sm, 1);
-      if (device_ < kCachedDevices) resident[device_].store(per_sm, std::memory_order_relaxed);
+    int per_sm = 0;
+    if (grid_of<Op>::value != Grid::kPerChunk) {
+      // Blocks every SM can hold at once, as the kernel's registers allow (asked once per kernel
+      // and device): the resident grid, or the cap of a smaller one.
+      static std::atomic<int> resident[kCachedDevices] = {};
+      per_sm = device_ < kCachedDevices ? resident[device_].load(std::memory_order_relaxed) : 0;
+      if (per_sm == 0) {
+        check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_kernel<Reduce, L, Op>,
+                                                            kThreads, 0),
+              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+        per_sm = std::max(per_sm, 1);
+        if (device_ < kCachedDevices) resident[device_].store(per_sm, std::memory_order_relaxed);
+      }
     }
-    const int blocks = static_cast<int>(std::min<int64_t>(n, int64_t(sms_) * per_sm));
+    const int blocks = chunk_blocks<Op>(n, sms_, per_sm);
     chunk_kernel<Reduce, L, Op><<<blocks, kThreads, 0, stream_>>>(m, op, n, partials, flag);
     check_launch("chunk_kernel");
   }

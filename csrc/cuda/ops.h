@@ -24,6 +24,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../core/internal.h"
@@ -35,14 +36,44 @@ namespace cuda {
 
 // ======================= functors (run on the device, or on the host in tests) ==============
 
+/// How the chunked kernels' grid is sized (an op's kGrid, else kResident):
+///   kResident — as many blocks as the SMs can hold at once, each walking chunks grid-stride;
+///   kPerChunk — one block per chunk: blocks start in chunk order, so the chunks in flight stay
+///               a narrow window of memory;
+///   kTwoPerSm — two blocks per SM (at most the resident count), walking chunks grid-stride: for
+///               kernels whose many lists put more bytes in flight than DRAM serves best.
+/// Results do not depend on it: a chunk's work and its partial sum are fixed by the chunk alone.
+/// The choices are measurements (benchmarks/cuda/accumulate_variants.cu on an H200,
+/// benchmarks/README.md), not derivations.
+enum class Grid { kResident, kPerChunk, kTwoPerSm };
+
+template <typename Op, typename = void>
+struct grid_of {
+  static constexpr Grid value = Grid::kResident;
+};
+template <typename Op>
+struct grid_of<Op, std::void_t<decltype(Op::kGrid)>> {
+  static constexpr Grid value = Op::kGrid;
+};
+
 // Each functor's run<U, W>(meta, tensor, i, stride, state) handles a fragment (device_common.cuh):
 // U runs of W elements, run k at i + k·stride. It loads every list of the fragment first, then
 // computes, then stores; kUnroll is the U of the fragments chunk_thread hands it, chosen so that
 // the loads in flight per thread cover the memory latency without spilling registers.
 
+// Vectors per list a thread of the accumulate kernel has in flight. GA_CUDA_ACCUMULATE_UNROLL
+// changes it for an experiment build only (benchmarks/cuda/accumulate_variants.cu).
+#ifndef GA_CUDA_ACCUMULATE_UNROLL
+#define GA_CUDA_ACCUMULATE_UNROLL 1
+#endif
+
 template <typename G>
 struct AccumulateOp {  // lists: 0 accumulator (fp32), 1 gradient (G)
-  static constexpr int kUnroll = 4;
+  // One vector per list and one block per chunk (Grid, above), the fastest pair measured on
+  // an H200 (benchmarks/README.md, the kernels' grids): 1.05x the copy floor at 1B elements,
+  // where 4 vectors on a resident grid (the earlier choice) ran at 1.24x.
+  static constexpr int kUnroll = GA_CUDA_ACCUMULATE_UNROLL;
+  static constexpr Grid kGrid = Grid::kPerChunk;
   float alpha, beta;
   int overwrite, want_sumsq;
   template <int U, int W, int L>
@@ -108,6 +139,11 @@ struct ApplyOp {
   // One vector per list: Adam's four fp32 lists already put 8 × 16 bytes in flight per thread,
   // and every further vector would multiply the code of the many apply variants (compile time).
   static constexpr int kUnroll = 1;
+  // Adam/AdamW (eight 16-byte accesses per thread): 1.10x the copy floor on two blocks per SM,
+  // 1.17x on the resident grid of three. The other optimizers keep the resident grid (not
+  // measured otherwise).
+  static constexpr Grid kGrid =
+      O == Opt::kAdam || O == Opt::kAdamW ? Grid::kTwoPerSm : Grid::kResident;
   ApplyScalars k;
   const double* coef64;     // clip coefficient computed by the norm pass, or null
   const float* coef32;      // clip coefficient given by the caller, or null
