@@ -98,6 +98,7 @@ def test_gpu_check_dry_run_lists_every_step_without_a_gpu():
         "KERAS_BACKEND=jax",
         "memcheck",
         "racecheck",
+        "gpu_accumulate_variants.sh",
         "gpu_core.py",
         "gpu_profile.py",
         "gpu_e2e.py",

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Everything a GPU machine can check, in one command (about 6 minutes on 16 cores):
+# Everything a GPU machine can check, in one command (about 7 minutes on 16 cores):
 #   1. build the core with GA_CUDA=ON for the local GPU's architecture (CUDAARCHS, else read from
 #      nvidia-smi) into build/dev, and drop the module into the source tree;
 #   2. the GPU tests: tests/cuda, the CUDA dispatch and SASS tests;
-#   3. benchmarks/gpu_core.py, gpu_profile.py and gpu_e2e.py;
+#   3. benchmarks/gpu_core.py, gpu_profile.py, the kernel variants
+#      (tools/gpu_accumulate_variants.sh) and gpu_e2e.py;
 #   4. the Keras GPU subset on the torch and JAX backends;
 #   5. compute-sanitizer memcheck (tests/cuda) and racecheck (the op tests).
 # The figures come before the slow checks, so that a lease that ends early still brings them back.
@@ -71,6 +72,7 @@ steps=(
   "gpu-tests|300|$py -m pytest -q $per_test tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py"
   "gpu-core|600|$py benchmarks/gpu_core.py $bench_small --json $out/gpu_core.json"
   "gpu-profile|600|$py benchmarks/gpu_profile.py $bench_small --json $out/gpu_profile.json"
+  "variants|300|CUDAARCHS=$arch bash tools/gpu_accumulate_variants.sh && cp build/accumulate-variants.tgz $out/"
   "gpu-e2e|600|$py benchmarks/gpu_e2e.py $e2e_only --json $out/gpu_e2e.json"
   "keras-torch|300|KERAS_BACKEND=torch $py -m pytest -q $parallel $per_test $keras_files"
   "keras-jax|300|KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m pytest -q $parallel $per_test $keras_files"
@@ -87,7 +89,8 @@ if [ $dry -eq 1 ]; then
   # What the steps name must exist: a renamed test or benchmark fails here, in CI, not on a GPU.
   missing=0
   for f in tools/dev_build.sh tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py \
-    $keras_files benchmarks/gpu_core.py benchmarks/gpu_profile.py benchmarks/gpu_e2e.py; do
+    $keras_files benchmarks/gpu_core.py benchmarks/gpu_profile.py benchmarks/gpu_e2e.py \
+    tools/gpu_accumulate_variants.sh benchmarks/cuda/accumulate_variants.cu; do
     [ -e "$f" ] || { echo "missing: $f" >&2; missing=1; }
   done
   exit $missing
