@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from gradient_accumulator._reaches import Reach
+from gradient_accumulator.keras._packed import Slot
 
 KERAS = "3.15.1"
 
@@ -234,14 +235,16 @@ def after(tensors: Sequence[Any]) -> Any:
 
 
 def to_numpy(value: Any) -> np.ndarray:
-    """``value`` (a tensor or a ``keras.Variable``) as a NumPy array, without NumPy 2's
-    ``DeprecationWarning`` about ``__array__``.
+    """``value`` (a tensor, a ``keras.Variable`` or a :class:`_packed.Slot`) as a NumPy array,
+    without NumPy 2's ``DeprecationWarning`` about ``__array__``.
 
     ``keras.Variable.__array__``, ``tf.Variable.__array__`` and torch's ``Tensor.__array__``
     do not take NumPy 2's ``copy`` keyword, and ``keras.ops.convert_to_numpy`` goes through
     them: a variable is read through its backend value, which TensorFlow and torch convert
     with their own ``numpy()``.
     """
+    if isinstance(value, Slot):
+        return value.numpy()
     if isinstance(value, keras.Variable):
         value = value.value
     if keras.backend.backend() == "torch":

@@ -1,7 +1,8 @@
 """The stateless shell of the Keras cycle: JAX's ``stateless_apply`` and its compiled flush.
 
-The wrapper's variables are read back as values by position, folded and, in one branch of a
-``lax.cond``, ended as a cycle; non-boundary micro-steps compute the accumulate only.
+The wrapper's variables are read back as values by position (its scalars and seen flags
+unpacked from two vectors, see ``_packed``), folded and, in one branch of a ``lax.cond``, ended
+as a cycle; non-boundary micro-steps compute the accumulate only.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from gradient_accumulator.keras import _cycle
-from gradient_accumulator.keras._parts import _SCALARS
+from gradient_accumulator.keras import _cycle, _packed
 
 
 def _cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
@@ -41,17 +41,16 @@ class StatelessShell:
 
     def _own(self, optimizer_variables: Sequence[Any]) -> dict[str, Any]:
         values = dict(zip([id(v) for v in self.variables], optimizer_variables))
-        own = {name: values[id(getattr(self, f"_{name}"))] for name in _SCALARS}
+        own = _packed.unpack(values[id(self._ints)], values[id(self._floats)])
         own["iterations"] = values[id(self._iterations)]
         own["accs"] = [values[id(a)] for a in self._accumulators]
-        own["seen"] = values[id(self._seen)]
         return own
 
     def _pack(self, optimizer_variables: Sequence[Any], own: dict, inner: Sequence[Any]) -> list:
-        by_id = {id(getattr(self, f"_{name}")): own[name] for name in _SCALARS}
+        ints, floats = _packed.pack(own, self._ints.dtype)
+        by_id = {id(self._ints): ints, id(self._floats): floats}
         by_id[id(self._iterations)] = own["iterations"]
         by_id.update({id(a): v for a, v in zip(self._accumulators, own["accs"])})
-        by_id[id(self._seen)] = own["seen"]
         out = [by_id.get(id(v), val) for v, val in zip(self._variables, optimizer_variables)]
         return out + list(inner)
 

@@ -11,7 +11,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from gradient_accumulator.keras import _cycle
+from gradient_accumulator.keras import _cycle, _packed
 from gradient_accumulator.keras._compat import loss_scale_optimizer_wrapping, to_numpy
 
 
@@ -75,6 +75,8 @@ class LossScaling:
             ("scale_loss", _adopted_scale_loss),
             ("apply", _adopted_apply),
             ("stateless_apply", _adopted_stateless_apply),
+            ("save_own_variables", _adopted_save_own_variables),
+            ("load_own_variables", _adopted_load_own_variables),
         ):
             vars(lso)[name] = types.MethodType(function, lso)
 
@@ -82,7 +84,7 @@ class LossScaling:
         """Multiply the loss by the current loss scale (and the inner static factor, if any)."""
         factor = 1.0 if self._static_scale is None else float(self._static_scale)
         if self.mixed_precision:
-            scale = self._loss_scale if self.built else self.initial_scale
+            scale = self._loss_scale.value if self.built else self.initial_scale
             return ops.multiply(loss, ops.cast(scale, "float32") * factor)
         return loss if factor == 1.0 else ops.multiply(loss, factor)
 
@@ -158,8 +160,8 @@ def _adopted_apply(
         self.built = True
     inner = self.inner_optimizer
     inner.apply(grads, trainable_variables, weight=weight)
-    self.dynamic_scale.assign(inner.counter("loss_scale"))
-    self.step_counter.assign(inner.counter("growth"))
+    self.dynamic_scale.assign(inner.counter("loss_scale").value)
+    self.step_counter.assign(inner.counter("growth").value)
 
 
 def _adopted_stateless_apply(
@@ -176,13 +178,26 @@ def _adopted_stateless_apply(
         list(optimizer_variables)[n_own:], grads, trainable_variables
     )
     new_inner = list(new_inner)
-    by_id = dict(zip([id(v) for v in inner.variables], new_inner))
     mirrored = {
-        id(self.dynamic_scale): by_id[id(inner.counter("loss_scale"))],
-        id(self.step_counter): by_id[id(inner.counter("growth"))],
+        id(self.dynamic_scale): _packed.read(
+            new_inner, _packed.locate(inner.variables, inner.counter("loss_scale"))
+        ),
+        id(self.step_counter): _packed.read(
+            new_inner, _packed.locate(inner.variables, inner.counter("growth"))
+        ),
     }
     own = [
         mirrored.get(id(v), value)
         for v, value in zip(self._variables, list(optimizer_variables)[:n_own])
     ]
     return tv, own + new_inner
+
+
+def _adopted_save_own_variables(self: Any, store: Any) -> None:
+    # The scaler's variables, then the wrapper's in its one layout (see _packed).
+    _packed.save(list(self._variables) + _packed.saved_entries(self.inner_optimizer), store)
+
+
+def _adopted_load_own_variables(self: Any, store: Any) -> None:
+    entries = list(self._variables) + _packed.saved_entries(self.inner_optimizer)
+    _packed.load(entries, store, self.name)

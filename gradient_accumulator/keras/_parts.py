@@ -17,7 +17,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
 from gradient_accumulator._options import Options, check_agc_exclude
-from gradient_accumulator.keras import _cycle
+from gradient_accumulator.keras import _cycle, _packed
 from gradient_accumulator.keras._compat import warn_deprecated
 from gradient_accumulator.keras._tf_shell import _strategy
 from gradient_accumulator.keras.agc import clip_one
@@ -46,19 +46,11 @@ _IGNORED_FROM_0_5 = {
     "decay": "it has no effect; give the inner optimizer a "
     "keras.optimizers.schedules.LearningRateSchedule as learning_rate",
 }
-# Own scalar state, in the order the variables are created (after the base class's iteration
-# counter and learning-rate variable): the JAX path reads them back by position. ``skipped``
-# counts the cycles dropped as non-finite under ``on_nonfinite`` (not the loss scaler's skips).
-_SCALARS = (
-    "micro_step",
-    "total_weight",
-    "nonfinite",
-    "batch_weight",
-    "loss_scale",
-    "growth",
-    "skipped",
-)
-_INT_SCALARS = ("micro_step", "growth", "skipped")
+# Own scalar state, in the order the variables are created on TensorFlow and torch (after the
+# base class's iteration counter and learning-rate variable; on JAX they are packed, see
+# _packed). ``skipped`` counts the cycles dropped as non-finite under ``on_nonfinite`` (not the
+# loss scaler's skips).
+_SCALARS = _packed.SCALARS
 # Settings held by the options record (properties, checked on assignment).
 _SETTINGS = (
     "accum_steps",
@@ -168,20 +160,23 @@ class CycleParts:
     @no_automatic_dependency_tracking
     def _build_own(self, var_list: list[Any]) -> None:
         """Counters, loss scale and one float32 accumulator per variable."""
-        initial = {"batch_weight": 1.0, "loss_scale": self.initial_scale}
-        for name in _SCALARS:
-            int_like = name in _INT_SCALARS
-            setattr(
-                self,
-                f"_{name}",
-                self.add_variable(
-                    shape=(),
-                    dtype="int" if int_like else "float32",
-                    initializer=keras.initializers.Constant(initial.get(name, 0.0)),
-                    aggregation="only_first_replica",
-                    name=name,
-                ),
-            )
+        if _BACKEND == "jax":
+            self._build_packed(len(var_list))
+        else:
+            initial = {"batch_weight": 1.0, "loss_scale": self.initial_scale}
+            for name in _SCALARS:
+                int_like = name in _packed.INTS
+                setattr(
+                    self,
+                    f"_{name}",
+                    self.add_variable(
+                        shape=(),
+                        dtype="int" if int_like else "float32",
+                        initializer=keras.initializers.Constant(initial.get(name, 0.0)),
+                        aggregation="only_first_replica",
+                        name=name,
+                    ),
+                )
         strategy = _strategy()
         self._build_strategy = strategy
         self._accumulators = []
@@ -211,15 +206,35 @@ class CycleParts:
                     )
                 self._track_variable(acc)
             self._accumulators.append(acc)
-        # 1.0 for each variable that had a gradient in the current cycle: one without any is
-        # left alone at the boundary, as plain Keras leaves a variable whose gradient is None.
-        self._seen = self.add_variable(
-            shape=(len(var_list),),
-            dtype="float32",
-            initializer="zeros",
-            aggregation="only_first_replica",
-            name="seen",
+        if _BACKEND != "jax":
+            # 1.0 for each variable that had a gradient in the current cycle: one without any
+            # is left alone at the boundary, as plain Keras leaves a variable whose gradient is
+            # None.
+            self._seen = self.add_variable(
+                shape=(len(var_list),),
+                dtype="float32",
+                initializer="zeros",
+                aggregation="only_first_replica",
+                name="seen",
+            )
+
+    def _build_packed(self, n_variables: int) -> None:
+        """JAX: the counters in one variable, the float scalars and seen flags in another, each
+        reachable as a :class:`_packed.Slot` under its own name."""
+        self._ints = self.add_variable(
+            shape=(len(_packed.INTS),), dtype="int", initializer="zeros", name="counters"
         )
+        self._floats = self.add_variable(
+            shape=(len(_packed.FLOATS) + n_variables,),
+            dtype="float32",
+            initializer=_packed.initial_floats(n_variables, self.initial_scale),
+            name="cycle_state",
+        )
+        for i, name in enumerate(_packed.INTS):
+            setattr(self, f"_{name}", _packed.Slot(self._ints, i, name))
+        for i, name in enumerate(_packed.FLOATS):
+            setattr(self, f"_{name}", _packed.Slot(self._floats, i, name))
+        self._seen = _packed.Slot(self._floats, slice(len(_packed.FLOATS), None), "seen")
 
     def _resolve_agc_mask(self, var_list: list[Any]) -> list[bool]:
         """True for each variable AGC clips."""
@@ -436,7 +451,7 @@ class CycleParts:
         self._note_trace(next((g for g in grads if g is not None), None))
         if weight is not None:
             self._batch_weight.assign(weight)
-        overwrite = self._overwrite_maxima(grads, self._micro_step, self._seen.value)
+        overwrite = self._overwrite_maxima(grads, self._micro_step.value, self._seen.value)
         core_path = _BACKEND == "torch" and not overwrite and self._core_enabled()
         if _BACKEND == "jax":
             self._jax_stateful(grads)

@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from gradient_accumulator.keras import _compat
+from gradient_accumulator.keras import _compat, _packed
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["FlushAccumulation", "flush_batchnorm"]
@@ -105,8 +105,8 @@ class FlushAccumulation(keras.callbacks.Callback):
         state = getattr(model, "_jax_state", None)
         if state and state.get("optimizer_variables") is not None:
             # JAX fit keeps the current values in the trainer's state until it syncs them.
-            index = [id(v) for v in model.optimizer.variables].index(id(opt.counter("skipped")))
-            opt.report_nonfinite(int(state["optimizer_variables"][index]))
+            where = _packed.locate(model.optimizer.variables, opt.counter("skipped"))
+            opt.report_nonfinite(int(_packed.read(state["optimizer_variables"], where)))
         else:
             opt.report_nonfinite()
 
@@ -154,9 +154,8 @@ def weigh_batch(model: Any, *args: Any) -> Any:
             return state
         trainable, non_trainable, optimizer_values, metrics = state
         optimizer_values = list(optimizer_values)
-        weight = opt.counter("batch_weight")
-        index = [id(v) for v in model.optimizer.variables].index(id(weight))
-        optimizer_values[index] = _relative_batch_size(model, data)
+        where = _packed.locate(model.optimizer.variables, opt.counter("batch_weight"))
+        _packed.write(optimizer_values, where, _relative_batch_size(model, data))
         return trainable, non_trainable, optimizer_values, metrics
     (data,) = args
     if opt is not None:

@@ -18,10 +18,8 @@ import keras
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator._options import Options, keras_reduction
-from gradient_accumulator.keras._compat import (
-    to_numpy,
-    warn_deprecated,
-)
+from gradient_accumulator.keras import _packed
+from gradient_accumulator.keras._compat import to_numpy, warn_deprecated
 from gradient_accumulator.keras._jax_shell import StatelessShell
 from gradient_accumulator.keras._loss_scale import LossScaling
 from gradient_accumulator.keras._parts import (
@@ -152,7 +150,10 @@ class GradientAccumulateOptimizer(
             GradientAccumulateOptimizer, optimizer, use_core, agc_exclude, kwargs, **settings
         )
 
-        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        # No learning-rate variable of the wrapper's own on JAX (see _packed): the inner
+        # optimizer's is the one used.
+        unused = _packed.unused_learning_rate if keras.backend.backend() == "jax" else 0.0
+        super().__init__(learning_rate=unused, name=name, **kwargs)
         self.optimizer = inner
         self._options = options
         # The settings a compiled step was traced with (see _retrace_if_changed).
@@ -326,7 +327,9 @@ class GradientAccumulateOptimizer(
         """One of the variables the cycle lives in, by name: ``"micro_step"``,
         ``"total_weight"``, ``"nonfinite"``, ``"batch_weight"`` (the coming micro-batch's weight,
         which :class:`GradientAccumulateModel` writes before each train step), ``"loss_scale"``,
-        ``"growth"`` or ``"skipped"``. Built optimizers only."""
+        ``"growth"`` or ``"skipped"``. Built optimizers only. On JAX the scalars are packed into
+        two variables, and this is a view of one element, with a variable's ``value``,
+        ``assign`` and ``numpy``."""
         if name not in _SCALARS:
             raise ValueError(f"name must be one of {_SCALARS}, got {name!r}")
         if not self.built:
@@ -339,6 +342,14 @@ class GradientAccumulateOptimizer(
             self._micro_step.assign(0)
             self._total_weight.assign(0.0)
             self._nonfinite.assign(0.0)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras's saving: the state in one layout on every backend (see ``_packed``)."""
+        _packed.save(_packed.saved_entries(self), store)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras's loading, from files of any backend and of versions before the packing."""
+        _packed.load(_packed.saved_entries(self), store, self.name)
 
     # -------------------------------------------------------------------------------- build
 

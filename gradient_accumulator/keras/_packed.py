@@ -1,0 +1,184 @@
+"""The wrapper's small state packed into two variables on JAX, saved in the unpacked layout.
+
+Keras's JAX ``fit`` passes every optimizer variable into and out of its compiled step and
+tracks each one again after every step, so each extra array costs host time per step: with
+Keras's built-in accumulation on the digits-sized model of ``benchmarks/keras_step.py``, ten
+extra scalar variables cost 10% per epoch in wall time and 18% in CPU time, one vector of ten
+about nothing. On JAX the wrapper therefore keeps its three integer counters in one vector
+(:data:`INTS`) and its four float scalars and the per-variable seen flags in another
+(:data:`FLOATS`, then the flags), and has no learning-rate variable of its own (the inner
+optimizer's is the one used). Each scalar stays reachable as a :class:`Slot`, used like the
+variable it replaces.
+
+Files keep one layout on every backend: :func:`saved_entries` lists the state in the order
+the unpacked variables had (iteration, learning rate, the seven scalars, the accumulators, the
+seen flags, the inner optimizer's), so checkpoints written before the packing, or on another
+backend, load, and files written now load there too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+INTS = ("micro_step", "growth", "skipped")
+FLOATS = ("total_weight", "nonfinite", "batch_weight", "loss_scale")
+# The unpacked order of the scalars (the order of older checkpoints).
+SCALARS = (
+    "micro_step",
+    "total_weight",
+    "nonfinite",
+    "batch_weight",
+    "loss_scale",
+    "growth",
+    "skipped",
+)
+
+
+def unused_learning_rate() -> float:
+    """The wrapper's own learning rate: never read (the inner optimizer's is used)."""
+    return 0.0
+
+
+class Slot:
+    """One element of a packed variable (or a slice of it), used like a variable of its own:
+    ``value`` (also inside Keras's stateless scopes), ``assign``, ``numpy``.
+
+    Attributes:
+        packed: the ``keras.Variable`` holding it.
+        index: its element (an ``int``) or elements (a ``slice``) there.
+    """
+
+    def __init__(self, packed: Any, index: int | slice, name: str) -> None:
+        self.packed = packed
+        self.index = index
+        self.name = name
+
+    @property
+    def value(self) -> Any:
+        return self.packed.value[self.index]
+
+    @property
+    def dtype(self) -> str:
+        return self.packed.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(np.empty(self.packed.shape)[self.index].shape)
+
+    def assign(self, value: Any) -> None:
+        import jax.numpy as jnp
+
+        whole = self.packed.value
+        self.packed.assign(whole.at[self.index].set(jnp.asarray(value, dtype=whole.dtype)))
+
+    def numpy(self) -> np.ndarray:
+        # The whole variable to the host, then the element: no eager op on the device (an
+        # eager JAX slice costs tens of microseconds, and callbacks read counters every epoch).
+        return np.asarray(np.asarray(self.packed.numpy())[self.index])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def __int__(self) -> int:
+        return int(self.numpy())
+
+    def __float__(self) -> float:
+        return float(self.numpy())
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.name} of {self.packed.path}: {self.numpy()!r}>"
+
+
+def locate(variables: Sequence[Any], target: Any) -> tuple[int, int | slice | None]:
+    """``(position of the variable holding target in variables, its index there or None)``."""
+    holder = getattr(target, "packed", target)
+    position = [id(v) for v in variables].index(id(holder))
+    return position, getattr(target, "index", None)
+
+
+def read(values: Sequence[Any], where: tuple[int, int | slice | None]) -> Any:
+    """The value at ``where`` (from :func:`locate`) in a list of variable values."""
+    position, index = where
+    return values[position] if index is None else values[position][index]
+
+
+def write(values: list[Any], where: tuple[int, int | slice | None], value: Any) -> None:
+    """Put ``value`` at ``where`` (from :func:`locate`) in a list of variable values."""
+    position, index = where
+    if index is None:
+        values[position] = value
+    else:
+        whole = values[position]
+        values[position] = whole.at[index].set(value.astype(whole.dtype))
+
+
+def unpack(ints: Any, floats: Any) -> dict[str, Any]:
+    """The scalars and seen flags, by name, from the two packed values."""
+    out = {name: ints[i] for i, name in enumerate(INTS)}
+    out.update({name: floats[i] for i, name in enumerate(FLOATS)})
+    out["seen"] = floats[len(FLOATS) :]
+    return out
+
+
+def pack(own: dict[str, Any], int_dtype: Any) -> tuple[Any, Any]:
+    """The two packed values from the scalars and seen flags of ``own``."""
+    import jax.numpy as jnp
+
+    ints = jnp.stack([jnp.asarray(own[name], dtype=int_dtype) for name in INTS])
+    floats = jnp.concatenate(
+        [
+            jnp.stack([jnp.asarray(own[name], dtype=jnp.float32) for name in FLOATS]),
+            jnp.asarray(own["seen"], dtype=jnp.float32),
+        ]
+    )
+    return ints, floats
+
+
+def initial_floats(n_variables: int, initial_scale: float) -> Any:
+    """The packed floats' initializer: weight 0, no non-finite value, batch weight 1, the
+    initial loss scale, no variable seen."""
+
+    def init(shape: Any, dtype: Any = None) -> np.ndarray:
+        out = np.zeros(shape, dtype="float32")
+        out[FLOATS.index("batch_weight")] = 1.0
+        out[FLOATS.index("loss_scale")] = initial_scale
+        return out
+
+    return init
+
+
+def saved_entries(opt: Any) -> list[Any]:
+    """The wrapper's state in the unpacked layout: variables and :class:`Slot` s, ``None``
+    for the learning rate it does not keep on JAX, then the inner optimizer's variables."""
+    own = [opt._iterations, None]
+    if opt.built:
+        own += [getattr(opt, f"_{name}") for name in SCALARS]
+        own += list(opt._accumulators) + [opt._seen]
+    return own + list(opt.optimizer.variables)
+
+
+def save(entries: Sequence[Any], store: Any) -> None:
+    """Write ``entries`` (from :func:`saved_entries`) by position, as Keras saves."""
+    for i, entry in enumerate(entries):
+        store[str(i)] = np.zeros((), "float32") if entry is None else entry.numpy()
+
+
+def load(entries: Sequence[Any], store: Any, name: str) -> None:
+    """Assign ``entries`` from a store written in their layout; as Keras does, skip with a
+    warning when the number of saved arrays differs."""
+    if len(store.keys()) != len(entries):
+        warnings.warn(
+            f"Skipping variable loading for optimizer '{name}', because it has "
+            f"{len(entries)} variables whereas the saved optimizer has "
+            f"{len(store.keys())} variables.",
+            stacklevel=3,
+        )
+        return
+    for i, entry in enumerate(entries):
+        if entry is not None:
+            entry.assign(store[str(i)])
