@@ -104,3 +104,28 @@ def test_gpu_check_dry_run_lists_every_step_without_a_gpu():
         "gpu_e2e.py",
     ):
         assert step in proc.stdout, (step, proc.stdout)
+
+
+def test_keras_jax_executable_runs_and_counts_the_state_arrays():
+    # The compiled-step benchmark (Keras on JAX) runs, and counts the arrays each step carries:
+    # the digits-sized MLP's 4 weights, 2 metric totals and the optimizer's state. Plain Adam
+    # has 10 of its own; the built-in accumulation 4 more accumulators; the wrapper its
+    # iteration counter, the 2 packed vectors and 4 accumulators beside Adam's (it had 10
+    # scalar arrays and the seen flags, 30 in all, before the packing).
+    pytest.importorskip("jax")
+    pytest.importorskip("keras")
+    proc = _run_benchmark(
+        str(BENCHMARKS / "keras_jax_executable.py"), "--k", "4", "--steps", "3", "--repeats", "1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    arrays = {
+        m.group(1).strip(): int(m.group(2))
+        for m in re.finditer(
+            r"^(plain Adam|built-in|GradientAccumulateOptimizer)\s+(\d+)\s", proc.stdout, re.M
+        )
+    }
+    assert arrays == {
+        "plain Adam": 16,
+        "built-in": 20,
+        "GradientAccumulateOptimizer": 23,
+    }, proc.stdout
