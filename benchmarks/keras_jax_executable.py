@@ -23,24 +23,7 @@ import os
 import statistics
 import time
 
-
-def build(kind: str, k: int):
-    import keras
-
-    from gradient_accumulator.keras import GradientAccumulateOptimizer
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
-    )
-    if kind == "plain Adam":
-        opt = keras.optimizers.Adam(1e-3)
-    elif kind == "built-in":
-        opt = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
-    else:
-        opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=k)
-    model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+import keras_step  # beside this script: the same models as its per-epoch table
 
 
 def time_steps(k: int, steps: int, repeats: int) -> list[dict]:
@@ -52,9 +35,10 @@ def time_steps(k: int, steps: int, repeats: int) -> list[dict]:
     x = rng.normal(size=(32 * 4, 64)).astype("float32")
     y = rng.integers(0, 10, size=(32 * 4,)).astype("int32")
     kinds = ["plain Adam", "built-in", "GradientAccumulateOptimizer"]
+    names = dict(zip(kinds, ("plain", "builtin", "optimizer")))  # keras_step.adam's
     steps_fn, states, arrays = {}, {}, {}
     for kind in kinds:
-        model = build(kind, k)
+        model = keras_step.small_model(keras, names[kind], k)
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)  # builds, compiles
         state = tuple(
             [jax.numpy.array(v.value, copy=True) for v in group]

@@ -76,10 +76,10 @@ def run_backend(args: argparse.Namespace) -> dict:
     import numpy as np
 
     try:
-        from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+        from gradient_accumulator.keras import GradientAccumulateModel
     except ImportError:  # run from a checkout
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
+        from gradient_accumulator.keras import GradientAccumulateModel
 
     if args.epoch_only:
         return dict(
@@ -110,13 +110,7 @@ def run_backend(args: argparse.Namespace) -> dict:
             model.compile(keras.optimizers.Adam(1e-3), loss=loss)
             return model
         model = keras.Model(inputs, outputs)
-        if kind == "plain":
-            opt = keras.optimizers.Adam(1e-3)
-        elif kind == "builtin":
-            opt = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
-        else:
-            opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=k)
-        model.compile(opt, loss=loss)
+        model.compile(adam(keras, kind, k), loss=loss)
         return model
 
     labels = {
@@ -166,28 +160,42 @@ def run_backend(args: argparse.Namespace) -> dict:
     )
 
 
+def adam(keras, kind: str, k: int):
+    """Adam as each implementation runs it: ``"plain"``, Keras's ``"builtin"`` accumulation
+    over ``k`` micro-batches, or ours (``"optimizer"``)."""
+    from gradient_accumulator.keras import GradientAccumulateOptimizer
+
+    if kind == "plain":
+        return keras.optimizers.Adam(1e-3)
+    if kind == "builtin":
+        return keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
+    return GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=k)
+
+
+def small_model(keras, kind: str, k: int):
+    """The digits-sized MLP (64 → 64 → 10) compiled for ``kind`` (see :func:`adam`; ``"model"``:
+    :class:`GradientAccumulateModel`), from the same initial weights."""
+    from gradient_accumulator.keras import GradientAccumulateModel
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    outputs = keras.layers.Dense(10)(keras.layers.Dense(64, activation="relu")(inputs))
+    if kind == "model":
+        model = GradientAccumulateModel(accum_steps=k, inputs=inputs, outputs=outputs)
+        model.compile(keras.optimizers.Adam(1e-3), loss=loss)
+        return model
+    model = keras.Model(inputs, outputs)
+    model.compile(adam(keras, kind, k), loss=loss)
+    return model
+
+
 def build_small(keras, args):
     """The per-epoch run's models: a digits-sized MLP, each accumulation with k = 4."""
-    from gradient_accumulator.keras import GradientAccumulateModel, GradientAccumulateOptimizer
-
     k = args.epoch_accum_steps
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def build(kind: str):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((64,))
-        outputs = keras.layers.Dense(10)(keras.layers.Dense(64, activation="relu")(inputs))
-        if kind == "model":
-            model = GradientAccumulateModel(accum_steps=k, inputs=inputs, outputs=outputs)
-            model.compile(keras.optimizers.Adam(1e-3), loss=loss)
-            return model
-        model = keras.Model(inputs, outputs)
-        if kind == "builtin":
-            opt = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
-        else:
-            opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=k)
-        model.compile(opt, loss=loss)
-        return model
+        return small_model(keras, kind, k)
 
     return {
         kind: (label, build(kind))
