@@ -76,10 +76,10 @@ def run_backend(args: argparse.Namespace) -> dict:
     import numpy as np
 
     try:
-        from gradient_accumulator.keras import GradientAccumulateModel
+        import gradient_accumulator.keras  # noqa: F401
     except ImportError:  # run from a checkout
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from gradient_accumulator.keras import GradientAccumulateModel
+        import gradient_accumulator.keras  # noqa: F401
 
     if args.epoch_only:
         return dict(
@@ -101,17 +101,8 @@ def run_backend(args: argparse.Namespace) -> dict:
             h = keras.layers.Dense(width, activation="relu")(h)
         return inputs, keras.layers.Dense(10)(h)
 
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
     def build(kind: str):
-        inputs, outputs = layers()
-        if kind == "model":
-            model = GradientAccumulateModel(accum_steps=k, inputs=inputs, outputs=outputs)
-            model.compile(keras.optimizers.Adam(1e-3), loss=loss)
-            return model
-        model = keras.Model(inputs, outputs)
-        model.compile(adam(keras, kind, k), loss=loss)
-        return model
+        return compiled(keras, kind, k, *layers())
 
     labels = {
         "plain": "plain fit (update every batch)",
@@ -173,14 +164,20 @@ def adam(keras, kind: str, k: int):
 
 
 def small_model(keras, kind: str, k: int):
-    """The digits-sized MLP (64 → 64 → 10) compiled for ``kind`` (see :func:`adam`; ``"model"``:
-    :class:`GradientAccumulateModel`), from the same initial weights."""
-    from gradient_accumulator.keras import GradientAccumulateModel
-
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    """The digits-sized MLP (64 → 64 → 10) compiled for ``kind`` (see :func:`compiled`), from
+    the same initial weights."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     outputs = keras.layers.Dense(10)(keras.layers.Dense(64, activation="relu")(inputs))
+    return compiled(keras, kind, k, inputs, outputs)
+
+
+def compiled(keras, kind: str, k: int, inputs, outputs):
+    """The model from ``inputs`` to ``outputs`` compiled for ``kind``: with :func:`adam`'s
+    optimizer, or ``"model"``: a :class:`GradientAccumulateModel` over plain Adam."""
+    from gradient_accumulator.keras import GradientAccumulateModel
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if kind == "model":
         model = GradientAccumulateModel(accum_steps=k, inputs=inputs, outputs=outputs)
         model.compile(keras.optimizers.Adam(1e-3), loss=loss)
