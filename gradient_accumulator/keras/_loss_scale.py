@@ -90,10 +90,14 @@ class LossScaling:
 
     @property
     def loss_scale(self) -> Any:
-        """The current dynamic loss scale (1.0 without ``mixed_precision``)."""
+        """The current dynamic loss scale (1.0 without ``mixed_precision``): its variable (on
+        JAX, where the scalars are packed, its current value)."""
         if not self.mixed_precision:
             return 1.0
-        return self._loss_scale if self.built else self.initial_scale
+        if not self.built:
+            return self.initial_scale
+        scale = self._loss_scale
+        return scale.value if isinstance(scale, _packed.Slot) else scale
 
     @property
     def nonfinite_skipped(self) -> int:

@@ -10,10 +10,13 @@ about nothing. On JAX the wrapper therefore keeps its three integer counters in 
 optimizer's is the one used). Each scalar stays reachable as a :class:`Slot`, used like the
 variable it replaces.
 
-Files keep one layout on every backend: :func:`saved_entries` lists the state in the order
-the unpacked variables had (iteration, learning rate, the seven scalars, the accumulators, the
-seen flags, the inner optimizer's), so checkpoints written before the packing, or on another
-backend, load, and files written now load there too.
+Keras's files (``.keras``, ``.weights.h5``) keep one layout on every backend:
+:func:`saved_entries` lists the state in the order the unpacked variables had (iteration,
+learning rate, the seven scalars, the accumulators, the seen flags, the inner optimizer's), so
+files written before the packing, or on another backend, load, and files written now load there
+too. Checkpoints that save variables by path instead (``Model.get_state_tree``, Orbax) see the
+packed variables' own paths on JAX and do not carry the counters across backends or from
+before the packing.
 """
 
 from __future__ import annotations
@@ -78,7 +81,13 @@ class Slot:
     def numpy(self) -> np.ndarray:
         # The whole variable to the host, then the element: no eager op on the device (an
         # eager JAX slice costs tens of microseconds, and callbacks read counters every epoch).
-        return np.asarray(np.asarray(self.packed.numpy())[self.index])
+        # (Through the JAX array: keras.Variable.numpy() goes through an ``__array__`` that
+        # NumPy 2 warns about.)
+        return np.asarray(np.asarray(self.packed.value)[self.index])
+
+    def __jax_array__(self) -> Any:
+        # As keras.Variable on JAX: usable in jax.numpy and keras.ops calls, traced ones too.
+        return self.value
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()
@@ -139,15 +148,17 @@ def pack(own: dict[str, Any], int_dtype: Any) -> tuple[Any, Any]:
     return ints, floats
 
 
-def initial_floats(n_variables: int, initial_scale: float) -> Any:
+def initial_floats(initial_scale: float) -> Any:
     """The packed floats' initializer: weight 0, no non-finite value, batch weight 1, the
     initial loss scale, no variable seen."""
 
-    def init(shape: Any, dtype: Any = None) -> np.ndarray:
+    def init(shape: Any, dtype: Any = None) -> Any:
+        import jax.numpy as jnp
+
         out = np.zeros(shape, dtype="float32")
         out[FLOATS.index("batch_weight")] = 1.0
         out[FLOATS.index("loss_scale")] = initial_scale
-        return out
+        return jnp.asarray(out)  # a device array, as Keras's own initializers give
 
     return init
 

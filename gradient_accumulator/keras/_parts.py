@@ -227,7 +227,7 @@ class CycleParts:
         self._floats = self.add_variable(
             shape=(len(_packed.FLOATS) + n_variables,),
             dtype="float32",
-            initializer=_packed.initial_floats(n_variables, self.initial_scale),
+            initializer=_packed.initial_floats(self.initial_scale),
             name="cycle_state",
         )
         for i, name in enumerate(_packed.INTS):

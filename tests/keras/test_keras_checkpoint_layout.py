@@ -36,7 +36,8 @@ def _optimizer_arrays(path: str) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("written_on", BACKENDS)
 def test_a_mid_cycle_file_from_before_the_packing_resumes_exactly(written_on):
-    """Loaded mid-cycle (two micro-batches of weight 1 and 2 pending), the wrapper holds the
+    """Loaded mid-cycle (two micro-batches of weight 1 and 2 pending, one update made under
+    loss scaling), the wrapper holds the file's counters, each with its own value, and the
     file's cycle and makes the update the old version made after two more: bit for bit from
     a file of the same backend, within 2 float32 ulps of Adam's step from another backend's."""
     if written_on == "torch" and keras.backend.backend() != "torch":
@@ -50,7 +51,20 @@ def test_a_mid_cycle_file_from_before_the_packing_resumes_exactly(written_on):
     assert opt.pending() == int(expected["pending"]) == 2
     assert int(keras.ops.convert_to_numpy(opt.iterations)) == int(expected["iterations"]) == 1
     assert int(keras.ops.convert_to_numpy(opt.micro_steps)) == 6
-    assert float(keras.ops.convert_to_numpy(opt.counter("total_weight"))) == 3.0
+    counters = {
+        name: float(keras.ops.convert_to_numpy(opt.counter(name)))
+        for name in ("micro_step", "total_weight", "nonfinite", "batch_weight")
+        + ("loss_scale", "growth", "skipped")
+    }
+    assert counters == {
+        "micro_step": 2.0,
+        "total_weight": 3.0,
+        "nonfinite": 0.0,
+        "batch_weight": 1.0,
+        "loss_scale": 1024.0,
+        "growth": 1.0,
+        "skipped": 0.0,
+    }
     for acc, name in zip(opt.accumulators, ("kernel", "bias")):
         np.testing.assert_array_equal(
             keras.ops.convert_to_numpy(acc), expected[f"{name}_accumulator"]
@@ -145,3 +159,24 @@ def test_a_loss_scale_optimizer_around_the_wrapper_saves_and_loads_mid_cycle(tmp
     assert float(keras.ops.convert_to_numpy(acc.loss_scale)) == 64.0
     expected = sum(make_checkpoints.grads(i)[1] for i in range(3))  # as given: still scaled
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(acc.accumulators[1]), expected)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the packing is JAX's")
+def test_jax_counters_work_in_ops_and_traced_functions():
+    """A packed counter is used as a variable is: in ``keras.ops`` calls, inside a jitted
+    function (read through its current value, not copied to the host), and ``loss_scale`` is
+    a value with arithmetic. ``assign`` after ``fit`` (whose step purges and restores the
+    variables' values) writes the element."""
+    import jax
+
+    model, opt = make_checkpoints.model_and_optimizer()
+    opt.build(model.trainable_variables)
+    scale = opt.counter("loss_scale")
+    assert float(keras.ops.multiply(2.0, scale)) == 2048.0
+    assert float(jax.jit(lambda x: keras.ops.multiply(x, scale))(3.0)) == 3072.0
+    assert float(opt.loss_scale * 2) == 2048.0
+    x = np.ones((8, 3), "float32")
+    model.fit(x, np.zeros((8, 2), "float32"), batch_size=4, epochs=1, verbose=0)
+    opt.counter("batch_weight").assign(5.0)
+    assert float(opt.counter("batch_weight")) == 5.0
+    assert float(opt.counter("loss_scale")) == 1024.0  # the other elements kept

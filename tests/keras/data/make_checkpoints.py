@@ -7,9 +7,12 @@ that files written before the packing load after it, and that every backend's fi
 every backend.
 
 Each file is a ``.keras`` model (Dense 3 → 2) compiled with ``GradientAccumulateOptimizer``
-over Adam, k = 4, saved after one whole cycle and two micro-batches of the next (weights 1.0
-and 2.0); the ``.npz`` beside it holds the expected state and the weights after two more
-micro-batches, as that version computed them.
+over Adam, k = 4, with loss scaling (initial scale 1024, growth after 5 good updates), saved
+after one whole cycle and two micro-batches of the next (weights 1.0 and 2.0): the scalars then
+differ from one another (micro-step 2, total weight 3, loss scale 1024, growth 1, no
+non-finite value, no dropped cycle, batch weight 1), so a file read in another order fails.
+The ``.npz`` beside it holds the expected state and the weights after two more micro-batches,
+as that version computed them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,14 @@ def grads(i: int) -> list[np.ndarray]:
 def model_and_optimizer() -> tuple:
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.set_weights([np.full((3, 2), 0.5, "float32"), np.array([0.25, -0.5], "float32")])
-    opt = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=4, use_core=False)
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.Adam(0.01),
+        accum_steps=4,
+        use_core=False,
+        mixed_precision=True,
+        initial_scale=1024.0,
+        dynamic_growth_steps=5,
+    )
     model.compile(optimizer=opt, loss="mse")
     return model, opt
 
