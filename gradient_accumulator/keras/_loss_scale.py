@@ -182,13 +182,10 @@ def _adopted_stateless_apply(
         list(optimizer_variables)[n_own:], grads, trainable_variables
     )
     new_inner = list(new_inner)
+    sources = {id(self.dynamic_scale): "loss_scale", id(self.step_counter): "growth"}
     mirrored = {
-        id(self.dynamic_scale): _packed.read(
-            new_inner, _packed.locate(inner.variables, inner.counter("loss_scale"))
-        ),
-        id(self.step_counter): _packed.read(
-            new_inner, _packed.locate(inner.variables, inner.counter("growth"))
-        ),
+        key: _packed.read(new_inner, _packed.locate(inner.variables, inner.counter(name)))
+        for key, name in sources.items()
     }
     own = [
         mirrored.get(id(v), value)
@@ -197,11 +194,14 @@ def _adopted_stateless_apply(
     return tv, own + new_inner
 
 
-def _adopted_save_own_variables(self: Any, store: Any) -> None:
+def _adopted_saved_entries(self: Any) -> list[Any]:
     # The scaler's variables, then the wrapper's in its one layout (see _packed).
-    _packed.save(list(self._variables) + _packed.saved_entries(self.inner_optimizer), store)
+    return list(self._variables) + _packed.saved_entries(self.inner_optimizer)
+
+
+def _adopted_save_own_variables(self: Any, store: Any) -> None:
+    _packed.save(_adopted_saved_entries(self), store)
 
 
 def _adopted_load_own_variables(self: Any, store: Any) -> None:
-    entries = list(self._variables) + _packed.saved_entries(self.inner_optimizer)
-    _packed.load(entries, store, self.name)
+    _packed.load(_adopted_saved_entries(self), store, self.name)

@@ -64,14 +64,6 @@ class Slot:
     def value(self) -> Any:
         return self.packed.value[self.index]
 
-    @property
-    def dtype(self) -> str:
-        return self.packed.dtype
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(np.empty(self.packed.shape)[self.index].shape)
-
     def assign(self, value: Any) -> None:
         import jax.numpy as jnp
 
