@@ -81,6 +81,10 @@ def run_backend(args: argparse.Namespace) -> dict:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         import gradient_accumulator.keras  # noqa: F401
 
+    if args.jax_flat_max is not None:
+        from gradient_accumulator.keras import _parts
+
+        _parts.FLAT_MAX_ELEMENTS = args.jax_flat_max
     if args.epoch_only:
         return dict(
             backend=keras.backend.backend(),
@@ -246,6 +250,12 @@ def main() -> int:
     p.add_argument("--epoch-repeats", type=int, default=7)
     p.add_argument("--epoch-only", action="store_true", help="only the per-epoch table")
     p.add_argument("--small", action="store_true", help="tiny model, few steps (smoke test)")
+    p.add_argument(
+        "--jax-flat-max",
+        type=int,
+        help="JAX: share one flat variable among accumulators of at most this many elements "
+        "(the package's FLAT_MAX_ELEMENTS, 4096; -1: one variable each)",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

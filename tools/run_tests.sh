@@ -32,9 +32,9 @@ keras_own() {
   done
 }
 
-# Lanes balanced by their serial times on a 2-core machine (minutes): TensorFlow's main part
-# (~14) with the torch backend (~6.5); the core and PyTorch tests (~7) with JAX (~10) and
-# TensorFlow's own-process files (~2.5).
+# Lanes balanced by their times side by side on a 2-core machine (minutes, 2026-11-27):
+# TensorFlow's main part (~19) with the torch backend (~4); the core and PyTorch tests (~10)
+# with JAX (~10) and TensorFlow's own-process files (~2).
 lane_a() { keras_main tensorflow "$@" && keras_main torch "$@" && keras_own torch "$@"; }
 lane_b() {
   echo "== core and PyTorch tests =="
@@ -43,13 +43,18 @@ lane_b() {
 }
 
 lanes=${GA_TEST_LANES:-$(( $(nproc) >= 2 ? 2 : 1 ))}
-if [ "$lanes" -le 1 ]; then
+case "$lanes" in
+  1 | 2) ;;
+  *) echo "GA_TEST_LANES must be 1 or 2, got '$lanes'" >&2; exit 2 ;;
+esac
+if [ "$lanes" -eq 1 ]; then
   lane_b "$@"
   lane_a "$@"
   exit 0
 fi
 rm -rf "$logs"
 mkdir -p "$logs"
+trap 'kill $(jobs -p) 2>/dev/null || true' INT TERM  # stopped: the lanes stop too
 start=$SECONDS
 ( set -e; lane_a "$@" ) > "$logs/a.log" 2>&1 &
 pid_a=$!

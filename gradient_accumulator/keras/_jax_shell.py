@@ -1,8 +1,9 @@
 """The stateless shell of the Keras cycle: JAX's ``stateless_apply`` and its compiled flush.
 
-The wrapper's variables are read back as values by position (its scalars and seen flags
-unpacked from two vectors, see ``_packed``), folded and, in one branch of a ``lax.cond``, ended
-as a cycle; non-boundary micro-steps compute the accumulate only.
+The wrapper's variables are read back as values, matched by identity (its scalars and seen
+flags unpacked from two vectors, the small accumulators sliced from one flat vector, see
+``_packed``), folded and, in one branch of a ``lax.cond``, ended as a cycle; non-boundary
+micro-steps compute the accumulate only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def _cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     return true_fn() if bool(pred) else false_fn()
 
 
+def _set_slice(flat: Any, slot: Any, value: Any) -> Any:
+    """``flat`` with ``slot``'s elements replaced by ``value`` (an accumulator's new value)."""
+    import jax
+
+    return jax.lax.dynamic_update_slice(
+        flat, ops.reshape(ops.cast(value, "float32"), (-1,)), (slot.index.start,)
+    )
+
+
 def _value(x: Any) -> Any:
     return x.value if isinstance(x, keras.Variable) else x
 
@@ -43,14 +53,53 @@ class StatelessShell:
         values = dict(zip([id(v) for v in self.variables], optimizer_variables))
         own = _packed.unpack(values[id(self._ints)], values[id(self._floats)])
         own["iterations"] = values[id(self._iterations)]
-        own["accs"] = [values[id(a)] for a in self._accumulators]
+        # The accumulators in the flat variable are None here, read through _accs.
+        own["accs"] = [
+            None if isinstance(a, _packed.Slot) else values[id(a)] for a in self._accumulators
+        ]
+        own["acc_flat"] = None if self._acc_flat is None else values[id(self._acc_flat)]
         return own
+
+    def _accs(self, own: dict) -> list[Any]:
+        """Every variable's accumulator value, those in the flat variable sliced from it."""
+        flat = own["acc_flat"]
+        return [
+            flat[slot.index].reshape(slot.shape) if acc is None else acc
+            for acc, slot in zip(own["accs"], self._accumulators)
+        ]
+
+    def _fold(self, own: dict, grads: list[Any], present: list[bool]) -> None:
+        """:func:`_cycle.fold` into ``own``; the small accumulators as one flat vector, their
+        gradients laid end to end (a concatenation XLA fuses into the fold, in place)."""
+        fields = ("accs", "seen", "total_weight", "nonfinite", "micro_step", "iterations")
+        loose = [i for i, acc in enumerate(own["accs"]) if acc is not None]
+        members = [i for i, acc in enumerate(own["accs"]) if acc is None]
+        accs = [own["accs"][i] for i in loose]
+        fold_grads = [grads[i] for i in loose]
+        if members:
+            accs.append(own["acc_flat"])
+            fold_grads.append(ops.concatenate([ops.reshape(grads[i], (-1,)) for i in members]))
+        state = _cycle.fold(
+            _cycle.FoldState(accs, *(own[k] for k in fields[1:])),
+            fold_grads,
+            own["batch_weight"],
+            self._options,
+            present,
+        )
+        own.update(state._asdict())
+        own["accs"] = [None] * len(present)
+        for i, acc in zip(loose, state.accs):
+            own["accs"][i] = acc
+        if members:
+            own["acc_flat"] = state.accs[-1]
 
     def _pack(self, optimizer_variables: Sequence[Any], own: dict, inner: Sequence[Any]) -> list:
         ints, floats = _packed.pack(own, self._ints.dtype)
         by_id = {id(self._ints): ints, id(self._floats): floats}
         by_id[id(self._iterations)] = own["iterations"]
-        by_id.update({id(a): v for a, v in zip(self._accumulators, own["accs"])})
+        by_id.update({id(a): v for a, v in zip(self._accumulators, own["accs"]) if v is not None})
+        if self._acc_flat is not None:
+            by_id[id(self._acc_flat)] = own["acc_flat"]
         out = [by_id.get(id(v), val) for v, val in zip(self._variables, optimizer_variables)]
         return out + list(inner)
 
@@ -75,31 +124,29 @@ class StatelessShell:
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
         self._note_trace(next((g for g in grads if g is not None), None))
-        overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], own["accs"])
+        # Every accumulator's value only where a variable overwrites with its gradient (eager,
+        # each slice of the flat one would be an op per step).
+        variables = self._trainable_variables
+        takes_max = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
+        accs = self._accs(own) if takes_max else []
+        overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], accs)
         present = [g is not None for g in grads]
-        grads = _cycle.dense(grads, self._trainable_variables)
-
-        fields = ("accs", "seen", "total_weight", "nonfinite", "micro_step", "iterations")
-        state = _cycle.fold(
-            _cycle.FoldState(*(own[k] for k in fields)),
-            grads,
-            own["batch_weight"],
-            self._options,
-            present,
-        )
-        own.update(state._asdict())
+        self._fold(own, _cycle.dense(grads, self._trainable_variables), present)
         boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables, present
         )
         if overwrite:
-            new_tv, own["accs"] = list(new_tv), list(own["accs"])
+            new_tv = list(new_tv)
             for i, _, maximum in overwrite:
                 write = ops.logical_and(boundary, ops.greater(own["seen"][i], 0.0))
                 new_tv[i] = ops.where(
                     write, ops.cast(maximum, new_tv[i].dtype), trainable_variables[i]
                 )
-                own["accs"][i] = maximum
+                if own["accs"][i] is not None:
+                    own["accs"] = own["accs"][:i] + [maximum] + own["accs"][i + 1 :]
+                else:
+                    own["acc_flat"] = _set_slice(own["acc_flat"], self._accumulators[i], maximum)
         return new_tv, self._pack(optimizer_variables, own, new_inner)
 
     def _stateless_cycle_end(
@@ -117,15 +164,14 @@ class StatelessShell:
         choice = _cycle.seen_choice(own["seen"], present)
 
         def end() -> tuple:
+            accs = self._accs(own)  # sliced in the branch: no copy on a micro-step
             out = _cycle.boundary(
                 _cycle.CycleState(*(own[k] for k in fields)),
                 self._options,
-                accs=own["accs"],
+                accs=accs,
                 static_scale=self._static_scale,
             )
-            tv, inner = self._stateless_update(
-                out, own["accs"], inner_values, trainable_values, choice
-            )
+            tv, inner = self._stateless_update(out, accs, inner_values, trainable_values, choice)
             return (tv, inner, *out.state)
 
         def keep() -> tuple:

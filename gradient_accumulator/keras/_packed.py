@@ -1,4 +1,4 @@
-"""The wrapper's small state packed into two variables on JAX, saved in the unpacked layout.
+"""The wrapper's state packed into few variables on JAX, saved in the unpacked layout.
 
 Keras's JAX ``fit`` passes every optimizer variable into and out of its compiled step and
 tracks each one again after every step, so each extra array costs host time per step: with
@@ -8,15 +8,20 @@ about nothing. On JAX the wrapper therefore keeps its three integer counters in 
 (:data:`INTS`) and its four float scalars and the per-variable seen flags in another
 (:data:`FLOATS`, then the flags), and has no learning-rate variable of its own (the inner
 optimizer's is the one used). Each scalar stays reachable as a :class:`Slot`, used like the
-variable it replaces.
+variable it replaces. Without a Keras distribution the accumulators of small variables
+(biases, norms' scales, small kernels: ``_parts.FLAT_MAX_ELEMENTS``) share one flat float32
+variable too, each a :class:`Slot` with its variable's shape, and a micro-step folds their
+gradients into it in one fused pass; a large variable's accumulator keeps a variable of its own,
+where a concatenation fused into its fold would cost more than the array it saves. Under a
+distribution each accumulator keeps its variable's layout, one variable each.
 
 Keras's files (``.keras``, ``.weights.h5``) keep one layout on every backend:
 :func:`saved_entries` lists the state in the order the unpacked variables had (iteration,
 learning rate, the seven scalars, the accumulators, the seen flags, the inner optimizer's), so
 files written before the packing, or on another backend, load, and files written now load there
 too. Checkpoints that save variables by path instead (``Model.get_state_tree``, Orbax) see the
-packed variables' own paths on JAX and do not carry the counters across backends or from
-before the packing.
+packed variables' own paths on JAX and do not carry the counters and accumulators across
+backends or from before the packing.
 """
 
 from __future__ import annotations
@@ -53,24 +58,56 @@ class Slot:
     Attributes:
         packed: the ``keras.Variable`` holding it.
         index: its element (an ``int``) or elements (a ``slice``) there.
+        name: its name (an accumulator's: its variable's path, then ``_accumulator``).
     """
 
-    def __init__(self, packed: Any, index: int | slice, name: str) -> None:
+    def __init__(
+        self, packed: Any, index: int | slice, name: str, shape: tuple | None = None
+    ) -> None:
         self.packed = packed
         self.index = index
         self.name = name
+        # An accumulator's shape (its variable's): the flat slice is reshaped to it.
+        self._reshaped = shape
+
+    @property
+    def shape(self) -> tuple:
+        if self._reshaped is not None:
+            return self._reshaped
+        if isinstance(self.index, int):
+            return ()
+        return (len(range(*self.index.indices(self.packed.shape[0]))),)
+
+    @property
+    def dtype(self) -> str:
+        return self.packed.dtype
+
+    @property
+    def path(self) -> str:
+        return f"{self.packed.path}/{self.name}"
 
     @property
     def value(self) -> Any:
-        return self.packed.value[self.index]
+        out = self.packed.value[self.index]
+        return out if self._reshaped is None else out.reshape(self._reshaped)
 
     def assign(self, value: Any) -> None:
         import jax.numpy as jnp
 
         whole = self.packed.value
-        self.packed.assign(whole.at[self.index].set(jnp.asarray(value, dtype=whole.dtype)))
+        new = jnp.asarray(value, dtype=whole.dtype)
+        if tuple(new.shape) != self.shape:  # as keras.Variable.assign: no broadcasting
+            raise ValueError(
+                f"value of shape {tuple(new.shape)} cannot be assigned to {self.name} of shape "
+                f"{self.shape}"
+            )
+        flat = new.reshape(-1) if isinstance(self.index, slice) else new
+        self.packed.assign(whole.at[self.index].set(flat))
 
     def numpy(self) -> np.ndarray:
+        if self._reshaped is not None:
+            # An accumulator: sliced on the device, so only its own elements reach the host.
+            return np.asarray(self.value)
         # The whole variable to the host, then the element: no eager op on the device (an
         # eager JAX slice costs tens of microseconds, and callbacks read counters every epoch).
         # (Through the JAX array: keras.Variable.numpy() goes through an ``__array__`` that
@@ -96,7 +133,9 @@ class Slot:
 
 
 def locate(variables: Sequence[Any], target: Any) -> tuple[int, int | slice | None]:
-    """``(position of the variable holding target in variables, its index there or None)``."""
+    """``(position of the variable holding target in variables, its index there or None)``,
+    for a variable or a counter's :class:`Slot` (:func:`read` and :func:`write` do not
+    reshape an accumulator's)."""
     holder = getattr(target, "packed", target)
     position = [id(v) for v in variables].index(id(holder))
     return position, getattr(target, "index", None)

@@ -6,6 +6,7 @@ backend's core path.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +65,26 @@ _SETTINGS = (
     "initial_scale",
     "dynamic_growth_steps",
 )
+
+
+# JAX: accumulators of at most this many elements share one flat variable. Keras's JAX step
+# costs host time per state array (about 3 us on a 2-core CPU); folding into a flat variable
+# costs a concatenation fused into the fold, about 0.3 ns more per element on XLA's CPU
+# backend than a fold per variable (6x the fold at 662k parameters in 8 tensors), so only
+# small tensors (biases, norms' scales, small kernels) gain from sharing one.
+FLAT_MAX_ELEMENTS = 4096
+
+
+def _flat_members(var_list: list[Any]) -> list[int]:
+    """The variables whose accumulators share one flat variable (JAX), by position: those of
+    at most FLAT_MAX_ELEMENTS elements, if two or more; none under a Keras distribution, where
+    each accumulator is laid out (sharded) like its variable."""
+    if keras.distribution.distribution() is not None:
+        return []
+    if any(getattr(v, "_layout", None) is not None for v in var_list):
+        return []
+    small = [i for i, v in enumerate(var_list) if math.prod(v.shape) <= FLAT_MAX_ELEMENTS]
+    return small if len(small) >= 2 else []
 
 
 def _resolve_inner(optimizer: Any) -> Any:
@@ -159,7 +180,8 @@ class CycleParts:
 
     @no_automatic_dependency_tracking
     def _build_own(self, var_list: list[Any]) -> None:
-        """Counters, loss scale and one float32 accumulator per variable."""
+        """Counters, loss scale and one float32 accumulator per variable (on JAX the small
+        ones share one flat variable, see :func:`_flat_members`)."""
         if _BACKEND == "jax":
             self._build_packed(len(var_list))
         else:
@@ -179,8 +201,13 @@ class CycleParts:
                 )
         strategy = _strategy()
         self._build_strategy = strategy
+        members = _flat_members(var_list) if _BACKEND == "jax" else []
+        in_flat = dict(zip(members, self._build_flat_accumulators([var_list[i] for i in members])))
         self._accumulators = []
-        for v in var_list:
+        for i, v in enumerate(var_list):
+            if i in in_flat:
+                self._accumulators.append(in_flat[i])
+                continue
             path = getattr(v, "path", v.name).replace("/", "_")
             if strategy is None:
                 # Laid out like its variable under a Keras distribution (a sharded kernel gets
@@ -217,6 +244,25 @@ class CycleParts:
                 aggregation="only_first_replica",
                 name="seen",
             )
+
+    def _build_flat_accumulators(self, var_list: list[Any]) -> list[Any]:
+        """JAX: the accumulators of ``var_list`` (small variables, see :func:`_flat_members`)
+        as slices of one float32 variable, each a :class:`_packed.Slot` with its variable's
+        shape. No variable when ``var_list`` is empty."""
+        self._acc_flat = None
+        if not var_list:
+            return []
+        sizes = [math.prod(v.shape) for v in var_list]
+        self._acc_flat = self.add_variable(
+            shape=(sum(sizes),), dtype="float32", initializer="zeros", name="small_accumulators"
+        )
+        slots, offset = [], 0
+        for v, size in zip(var_list, sizes):
+            path = getattr(v, "path", v.name).replace("/", "_")
+            index = slice(offset, offset + size)
+            slots.append(_packed.Slot(self._acc_flat, index, f"{path}_accumulator", tuple(v.shape)))
+            offset += size
+        return slots
 
     def _build_packed(self, n_variables: int) -> None:
         """JAX: the counters in one variable, the float scalars and seen flags in another, each

@@ -297,7 +297,9 @@ class GradientAccumulateOptimizer(
 
     @property
     def accumulators(self) -> list[Any]:
-        """The float32 gradient accumulators, one per trainable variable."""
+        """The float32 gradient accumulators, one per trainable variable. On JAX those of
+        small variables are views (``_packed.Slot``: ``value``, ``assign``, ``numpy``,
+        ``shape``) of one flat variable they share."""
         return list(self._accumulators)
 
     def __getattr__(self, name: str) -> Any:

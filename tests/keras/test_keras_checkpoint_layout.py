@@ -117,17 +117,33 @@ def test_a_file_with_another_number_of_arrays_is_skipped_with_a_warning(tmp_path
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the packing is JAX's")
-def test_jax_state_is_three_arrays_beside_the_accumulators():
-    """On JAX the wrapper's own state is its iteration counter, the packed counters and the
-    packed floats (with the seen flags), then one accumulator per variable: 3 + 2 arrays for a
-    Dense layer, where the unpacked layout had 11."""
+def test_jax_state_is_four_arrays_for_a_dense_layer():
+    """On JAX the wrapper's own state is its iteration counter, the packed counters, the packed
+    floats (with the seen flags) and one flat float32 vector holding the small accumulators: 4
+    arrays for a Dense layer, where the unpacked layout had 11. Each accumulator there is a
+    slice of the flat one, with its variable's shape, read and written like a variable."""
     model, opt = make_checkpoints.model_and_optimizer()
     opt.build(model.trainable_variables)
     own = opt.variables[: len(opt.variables) - len(opt.optimizer.variables)]
-    assert len(own) == 5
-    assert [tuple(v.shape) for v in own[:3]] == [(), (3,), (6,)]
+    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+    assert [tuple(v.shape) for v in own] == [(), (3,), (6,), (sum(sizes),)]
     assert opt.counter("loss_scale").packed is own[2]
     assert float(opt.counter("batch_weight")) == 1.0
+    accs = opt.accumulators
+    assert [a.packed for a in accs] == [own[3], own[3]]
+    assert [a.shape for a in accs] == [tuple(v.shape) for v in model.trainable_variables]
+    assert [keras.backend.standardize_dtype(a.dtype) for a in accs] == ["float32"] * 2
+    values = [
+        np.arange(n, dtype="float32").reshape(a.shape) + 10 * i
+        for i, (n, a) in enumerate(zip(sizes, accs))
+    ]
+    for a, v in zip(accs, values):
+        a.assign(v)
+    for a, v in zip(accs, values):
+        np.testing.assert_array_equal(a.numpy(), v)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a.value), v)
+    flat = np.asarray(own[3].value)
+    np.testing.assert_array_equal(flat, np.concatenate([v.reshape(-1) for v in values]))
 
 
 def test_a_loss_scale_optimizer_around_the_wrapper_saves_and_loads_mid_cycle(tmp_path):
