@@ -33,15 +33,6 @@ def _cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     return true_fn() if bool(pred) else false_fn()
 
 
-def _set_slice(flat: Any, slot: Any, value: Any) -> Any:
-    """``flat`` with ``slot``'s elements replaced by ``value`` (an accumulator's new value)."""
-    import jax
-
-    return jax.lax.dynamic_update_slice(
-        flat, ops.reshape(ops.cast(value, "float32"), (-1,)), (slot.index.start,)
-    )
-
-
 def _value(x: Any) -> Any:
     return x.value if isinstance(x, keras.Variable) else x
 
@@ -60,13 +51,17 @@ class StatelessShell:
         own["acc_flat"] = None if self._acc_flat is None else values[id(self._acc_flat)]
         return own
 
+    def _acc(self, own: dict, i: int) -> Any:
+        """Variable ``i``'s accumulator value, sliced from the flat one if it is there."""
+        acc = own["accs"][i]
+        if acc is not None:
+            return acc
+        slot = self._accumulators[i]
+        return own["acc_flat"][slot.index].reshape(slot.shape)
+
     def _accs(self, own: dict) -> list[Any]:
         """Every variable's accumulator value, those in the flat variable sliced from it."""
-        flat = own["acc_flat"]
-        return [
-            flat[slot.index].reshape(slot.shape) if acc is None else acc
-            for acc, slot in zip(own["accs"], self._accumulators)
-        ]
+        return [self._acc(own, i) for i in range(len(own["accs"]))]
 
     def _fold(self, own: dict, grads: list[Any], present: list[bool]) -> None:
         """:func:`_cycle.fold` into ``own``; the small accumulators as one flat vector, their
@@ -124,12 +119,9 @@ class StatelessShell:
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
         self._note_trace(next((g for g in grads if g is not None), None))
-        # Every accumulator's value only where a variable overwrites with its gradient (eager,
-        # each slice of the flat one would be an op per step).
-        variables = self._trainable_variables
-        takes_max = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
-        accs = self._accs(own) if takes_max else []
-        overwrite = self._overwrite_maxima(grads, own["micro_step"], own["seen"], accs)
+        overwrite = self._overwrite_maxima(
+            grads, own["micro_step"], own["seen"], lambda i: self._acc(own, i)
+        )
         present = [g is not None for g in grads]
         self._fold(own, _cycle.dense(grads, self._trainable_variables), present)
         boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
@@ -137,16 +129,16 @@ class StatelessShell:
             boundary, own, inner_values, trainable_variables, present
         )
         if overwrite:
-            new_tv = list(new_tv)
+            new_tv, own["accs"] = list(new_tv), list(own["accs"])
             for i, _, maximum in overwrite:
                 write = ops.logical_and(boundary, ops.greater(own["seen"][i], 0.0))
                 new_tv[i] = ops.where(
                     write, ops.cast(maximum, new_tv[i].dtype), trainable_variables[i]
                 )
                 if own["accs"][i] is not None:
-                    own["accs"] = own["accs"][:i] + [maximum] + own["accs"][i + 1 :]
+                    own["accs"][i] = maximum
                 else:
-                    own["acc_flat"] = _set_slice(own["acc_flat"], self._accumulators[i], maximum)
+                    own["acc_flat"] = self._accumulators[i].put(own["acc_flat"], maximum)
         return new_tv, self._pack(optimizer_variables, own, new_inner)
 
     def _stateless_cycle_end(

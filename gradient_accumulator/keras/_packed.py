@@ -91,10 +91,11 @@ class Slot:
         out = self.packed.value[self.index]
         return out if self._reshaped is None else out.reshape(self._reshaped)
 
-    def assign(self, value: Any) -> None:
+    def put(self, whole: Any, value: Any) -> Any:
+        """``whole`` (the packed variable's value, concrete or traced) with this slot's
+        elements replaced by ``value``, of this slot's shape."""
         import jax.numpy as jnp
 
-        whole = self.packed.value
         new = jnp.asarray(value, dtype=whole.dtype)
         if tuple(new.shape) != self.shape:  # as keras.Variable.assign: no broadcasting
             raise ValueError(
@@ -102,7 +103,10 @@ class Slot:
                 f"{self.shape}"
             )
         flat = new.reshape(-1) if isinstance(self.index, slice) else new
-        self.packed.assign(whole.at[self.index].set(flat))
+        return whole.at[self.index].set(flat)
+
+    def assign(self, value: Any) -> None:
+        self.packed.assign(self.put(self.packed.value, value))
 
     def numpy(self) -> np.ndarray:
         if self._reshaped is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -85,6 +85,11 @@ def _flat_members(var_list: list[Any]) -> list[int]:
         return []
     small = [i for i, v in enumerate(var_list) if math.prod(v.shape) <= FLAT_MAX_ELEMENTS]
     return small if len(small) >= 2 else []
+
+
+def _accumulator_name(variable: Any) -> str:
+    """The name of ``variable``'s accumulator: its path, then ``_accumulator``."""
+    return getattr(variable, "path", variable.name).replace("/", "_") + "_accumulator"
 
 
 def _resolve_inner(optimizer: Any) -> Any:
@@ -208,7 +213,6 @@ class CycleParts:
             if i in in_flat:
                 self._accumulators.append(in_flat[i])
                 continue
-            path = getattr(v, "path", v.name).replace("/", "_")
             if strategy is None:
                 # Laid out like its variable under a Keras distribution (a sharded kernel gets
                 # a sharded accumulator): the paths of a LayoutMap do not match ours.
@@ -216,7 +220,7 @@ class CycleParts:
                     shape=v.shape,
                     dtype="float32",
                     layout=getattr(v, "_layout", None),
-                    name=f"{path}_accumulator",
+                    name=_accumulator_name(v),
                 )
             else:
                 # Replica-local: each replica sums its own gradients; read (and saved) as the
@@ -229,7 +233,7 @@ class CycleParts:
                         trainable=False,
                         synchronization="on_read",
                         aggregation="mean",
-                        name=f"{path}_accumulator",
+                        name=_accumulator_name(v),
                     )
                 self._track_variable(acc)
             self._accumulators.append(acc)
@@ -258,9 +262,8 @@ class CycleParts:
         )
         slots, offset = [], 0
         for v, size in zip(var_list, sizes):
-            path = getattr(v, "path", v.name).replace("/", "_")
             index = slice(offset, offset + size)
-            slots.append(_packed.Slot(self._acc_flat, index, f"{path}_accumulator", tuple(v.shape)))
+            slots.append(_packed.Slot(self._acc_flat, index, _accumulator_name(v), tuple(v.shape)))
             offset += size
         return slots
 
@@ -350,7 +353,11 @@ class CycleParts:
         return ops.reshape(ops.cast(weight, "float32"), ())
 
     def _overwrite_maxima(
-        self, grads: Sequence[Any], micro_step: Any, seen: Any, accs: Sequence[Any] | None = None
+        self,
+        grads: Sequence[Any],
+        micro_step: Any,
+        seen: Any,
+        acc_value: Callable[[int], Any] | None = None,
     ) -> list[tuple]:
         """``(index, accumulator, cycle maximum)`` of the ``overwrite_with_gradient`` variables.
 
@@ -359,7 +366,8 @@ class CycleParts:
         of the cycle's gradients; the accumulator holds the running maximum, not a sum. The
         maximum is over the micro-steps that have a gradient (``seen``: the flags before this
         one); one without any in the cycle is left alone. ``grads`` follow the wrapper's
-        variables; ``accs``: their accumulators' values on the functional path.
+        variables; ``acc_value(i)``: variable ``i``'s accumulator value on the functional path,
+        asked only for the chosen variables (a slice of the flat one costs an op).
         """
         out: list[tuple] = []
         chosen = [
@@ -372,8 +380,8 @@ class CycleParts:
         first = ops.equal(micro_step, 0)
         for i in chosen:
             g = grads[i]
-            acc = self._accumulators[i] if accs is None else accs[i]
-            previous = acc.value if accs is None else acc
+            acc = self._accumulators[i] if acc_value is None else acc_value(i)
+            previous = acc.value if acc_value is None else acc
             if g is None:
                 maximum = previous
             else:
