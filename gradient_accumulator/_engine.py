@@ -448,8 +448,9 @@ class Cycle:
 
         Finite micro-step gradients can sum to more than fp32 holds (a huge weight, a loss
         scale that kept growing): the accumulated result itself is checked. On CPU the norm is
-        a float and a non-finite one sets :attr:`nonfinite`; on CUDA it stays a device tensor
-        and raises the device flag, read with the cycle's one flag read.
+        a float; one past float32's range sets :attr:`nonfinite` when an element of the result
+        is not finite (:meth:`_scaled_finite`). On CUDA it stays a device tensor, and a norm
+        past the range raises the device flag, read with the cycle's one flag read.
         """
         if self.cuda:
             device = self._device_flag.device
@@ -467,9 +468,21 @@ class Cycle:
         if sumsq is None:
             sumsq = core.sum_of_squares([self._accs[i] for i in index]) if index else 0.0
         norm = math.sqrt(sumsq) * abs(scale)
-        if not norm <= FLT_MAX:
+        if not norm <= FLT_MAX and not self._scaled_finite(index, scale):
             self._nonfinite = True
         return norm
+
+    def _scaled_finite(self, index: Sequence[int], scale: float) -> bool:
+        """Whether every element of ``accumulators × scale`` over ``index`` is finite, as the
+        Keras TensorFlow and JAX paths decide (``keras/_cycle.all_finite``). Asked only when
+        the norm passed float32's range: the elements can still all be finite (many of them
+        near the top of the range), and such a cycle is not dropped. CPU only: on CUDA a norm
+        past the range raises the flag on the device (docs/semantics.md)."""
+        for i in index:
+            acc = self._accs[i]
+            if not bool(torch.isfinite(acc * torch.tensor(scale, dtype=acc.dtype)).all()):
+                return False
+        return True
 
     # ---- saving ----
 

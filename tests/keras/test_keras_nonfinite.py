@@ -179,6 +179,59 @@ def test_finite_gradients_whose_sum_overflows_are_dropped(path):
     assert _max_diff(_weights(model), before) == 0.0
 
 
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: "core" if not p else "ops")
+def test_finite_cycle_whose_total_overflows_is_applied(path):
+    """Every element of the cycle's gradient is finite (2e38) though their total is not: the
+    cycle updates (on TensorFlow the check first sums each tensor, and a non-finite total
+    falls back to the elementwise check)."""
+    model = _model()
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.SGD(1e-37), ACCUM, reduction="SUM", on_nonfinite="raise", **path
+    )
+    opt.build(model.trainable_variables)
+    before = _weights(model)
+    for _ in range(ACCUM):
+        opt.apply(_grads(model, 1e38), model.trainable_variables)
+    assert opt.nonfinite_skipped == 0 and int(opt.iterations) == 1
+    # w ← w − 1e-37·2e38 = w − 20, to float32 rounding.
+    assert _max_diff(_weights(model), [w - 20.0 for w in before]) <= 1e-5 * 20
+
+
+_F32_MAX = float(np.finfo("float32").max)
+ALL_FINITE_CASES = {
+    "finite": ([[1.0, -2.0], [3.0]], "float32", True),
+    "nan": ([[1.0, np.nan], [3.0]], "float32", False),
+    "inf": ([[np.inf], [1.0]], "float32", False),
+    "-inf": ([[1.0], [-np.inf, 2.0]], "float32", False),
+    "inf minus inf": ([[np.inf], [-np.inf]], "float32", False),
+    "total overflows": ([[_F32_MAX, _F32_MAX], [_F32_MAX]], "float32", True),
+    "total overflows, then inf": ([[_F32_MAX, _F32_MAX, np.inf]], "float32", False),
+    "empty tensor": ([[-3e38, -3e38], []], "float32", True),
+    "float16 total overflows": ([[60000.0, 60000.0]], "float16", True),
+    "float16 inf": ([[1.0, np.inf]], "float16", False),
+    "bfloat16 total overflows": ([[3e38, 3e38]], "bfloat16", True),
+    "bfloat16 nan": ([[np.nan, 3e38]], "bfloat16", False),
+}
+
+
+@pytest.mark.parametrize("case", ALL_FINITE_CASES, ids=str)
+def test_all_finite_is_the_elementwise_verdict(case):
+    """The boundary's check gives what ``np.isfinite(...).all()`` gives, on every backend
+    (TensorFlow's sums each tensor first: a finite total proves every element finite, a total
+    that overflows is decided element by element), eagerly and, on TensorFlow, traced."""
+    from gradient_accumulator.keras import _cycle
+
+    values, dtype, expected = ALL_FINITE_CASES[case]
+    assert all(np.isfinite(np.asarray(v, "float64")).all() for v in values) == expected
+    tensors = [keras.ops.convert_to_tensor(np.asarray(v, "float32"), dtype) for v in values]
+    assert bool(keras.ops.convert_to_numpy(_cycle.all_finite(tensors))) is expected
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        traced = tf.function(lambda ts: _cycle.all_finite(ts))
+        assert bool(traced(tensors).numpy()) is expected
+
+
 def test_loss_scaling_skips_silently_whatever_on_nonfinite_says():
     model = _model()
     opt = _eager_opt(model, mixed_precision=True, on_nonfinite="raise")

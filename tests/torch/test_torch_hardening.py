@@ -94,6 +94,24 @@ def test_finite_gradients_whose_sum_overflows_skip_the_cycle():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_finite_result_whose_norm_passes_float32_updates():
+    """Every element of the cycle's gradient is finite (1e38) though its norm (1.05e39) is
+    past float32's range: the cycle updates, as on Keras's TensorFlow and JAX paths (the norm
+    alone used to drop it)."""
+    model = nn.Linear(10, 10)
+    before = _snapshot(model)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=1e-37), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteGradientWarning)
+        for _ in range(2):
+            _big_grads(model, 1e38)
+            opt.step()
+    assert opt.update_applied and not opt.step_was_skipped
+    # mean of 1e38 and 1e38, times lr: w - 10 (to float32 rounding)
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b - 10.0, rtol=0, atol=1e-5 * 10)
+
+
 def test_huge_weight_never_reaches_the_weights():
     model = nn.Linear(3, 2)
     before = _snapshot(model)
