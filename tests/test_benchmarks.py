@@ -129,3 +129,30 @@ def test_keras_jax_executable_runs_and_counts_the_state_arrays():
         "built-in": 20,
         "GradientAccumulateOptimizer": 20,
     }, proc.stdout
+
+
+def test_keras_tf_phases_runs_and_every_variant_matches_the_built_in():
+    # The per-phase TensorFlow benchmark runs its four implementations on a tiny MLP, and after
+    # the same steps on the same batches each one's weights are bit-identical to the built-in
+    # accumulation's (the elementwise check, the summed one and no check give one result).
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+    proc = _run_benchmark(
+        str(BENCHMARKS / "keras_tf_phases.py"),
+        *("--k", "4", "--repeats", "1", "--features", "16", "--width", "32", "--depth", "1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {
+        m.group(1).strip(): float(m.group(2))
+        for m in re.finditer(
+            r"^(built-in|GradientAccumulateOptimizer|elementwise check|no check)\s.*\s(\S+)$",
+            proc.stdout,
+            re.M,
+        )
+    }
+    assert rows == {
+        "built-in": 0.0,
+        "GradientAccumulateOptimizer": 0.0,
+        "elementwise check": 0.0,
+        "no check": 0.0,
+    }, proc.stdout
