@@ -125,7 +125,9 @@ def test_no_hot_kernel_spills_registers(compiled):
 def test_the_kernel_variant_benchmark_compiles(tmp_path):
     """benchmarks/cuda/accumulate_variants.cu (run on GPU machines by
     tools/gpu_accumulate_variants.sh) includes the library's launch code: a change there that
-    breaks it fails here, not on a lease. Every (chunk, unroll) pair the script builds compiles."""
+    breaks it fails here, not on a lease. Two of the (chunk, unroll) pairs the script builds
+    compile: its first chunk with its last unroll, and its last chunk with its first (the
+    extremes of both)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("needs nvcc")

@@ -236,9 +236,7 @@ int main(int argc, char** argv) {
   const int sms = prop.multiProcessorCount;
   cudaFuncAttributes attr{};
   check(cudaFuncGetAttributes(&attr, kLibraryKernel), "attributes");
-  int per_sm = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kLibraryKernel, kThreads, 0),
-        "occupancy");
+  const int per_sm = resident_per_sm<false, 2, Op>();  // kLibraryKernel's
   std::printf("%s, %d SMs; library kernel: chunk %lld, unroll %d, %d registers, %d blocks/SM\n",
               prop.name, sms, static_cast<long long>(kChunk), Op::kUnroll, attr.numRegs, per_sm);
 
