@@ -54,10 +54,7 @@ class StatelessShell:
     def _acc(self, own: dict, i: int) -> Any:
         """Variable ``i``'s accumulator value, sliced from the flat one if it is there."""
         acc = own["accs"][i]
-        if acc is not None:
-            return acc
-        slot = self._accumulators[i]
-        return own["acc_flat"][slot.index].reshape(slot.shape)
+        return self._accumulators[i].take(own["acc_flat"]) if acc is None else acc
 
     def _accs(self, own: dict) -> list[Any]:
         """Every variable's accumulator value, those in the flat variable sliced from it."""

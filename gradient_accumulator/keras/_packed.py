@@ -88,7 +88,12 @@ class Slot:
 
     @property
     def value(self) -> Any:
-        out = self.packed.value[self.index]
+        return self.take(self.packed.value)
+
+    def take(self, whole: Any) -> Any:
+        """This slot's elements of ``whole`` (the packed variable's value, concrete or traced),
+        in this slot's shape."""
+        out = whole[self.index]
         return out if self._reshaped is None else out.reshape(self._reshaped)
 
     def put(self, whole: Any, value: Any) -> Any:
