@@ -37,6 +37,7 @@ __all__ = [
     "decide",
     "dense",
     "drops_nonfinite",
+    "epoch_clock",
     "fold",
     "grad_scale",
     "grown_scale",
@@ -284,6 +285,19 @@ def on_choice(choice: tuple[Any, list[int], list[int]], update: Callable[[list[i
     if isinstance(pred, bool):
         return update(if_true if pred else if_false)
     return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
+
+
+def epoch_clock(epoch_steps: Any, steps_left: Any) -> tuple[Any, Any]:
+    """``(last, steps_left_after)`` for one train step of ``fit``: whether it is the last step
+    of its epoch, and the steps left in the fit after it. ``epoch_steps``: the steps of each
+    epoch; ``steps_left``: the steps left in the fit before this one, this one included (0:
+    no clock, never last; it stays 0, so the clock stops by itself after the fit's last
+    step). The last step of an epoch ends the cycle, short or not, as the epoch-end flush
+    would after it, so that the flush has nothing left to do."""
+    on = ops.greater(steps_left, 0)
+    period = ops.maximum(epoch_steps, 1)
+    last = ops.logical_and(on, ops.equal(ops.mod(steps_left - 1, period), 0))
+    return last, ops.maximum(steps_left - 1, 0)
 
 
 def drops_nonfinite(options: Options) -> bool:

@@ -121,7 +121,9 @@ class StatelessShell:
         )
         present = [g is not None for g in grads]
         self._fold(own, _cycle.dense(grads, self._trainable_variables), present)
-        boundary = ops.greater_equal(own["micro_step"], self.accum_steps)
+        # The cycle ends after k micro-steps, or at the last step of fit's epoch (its clock).
+        last, own["steps_left"] = _cycle.epoch_clock(own["epoch_steps"], own["steps_left"])
+        boundary = ops.logical_or(ops.greater_equal(own["micro_step"], self.accum_steps), last)
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables, present
         )

@@ -19,7 +19,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 from gradient_accumulator import _validation
 from gradient_accumulator._options import Options, check_agc_exclude
 from gradient_accumulator.keras import _cycle, _packed
-from gradient_accumulator.keras._compat import warn_deprecated
+from gradient_accumulator.keras._compat import to_numpy, warn_deprecated
 from gradient_accumulator.keras._tf_shell import _strategy
 from gradient_accumulator.keras.agc import clip_one
 
@@ -204,6 +204,7 @@ class CycleParts:
                         name=name,
                     ),
                 )
+            self._build_epoch_clock()
         strategy = _strategy()
         self._build_strategy = strategy
         members = _flat_members(var_list) if _BACKEND == "jax" else []
@@ -248,6 +249,48 @@ class CycleParts:
                 aggregation="only_first_replica",
                 name="seen",
             )
+
+    def _build_epoch_clock(self) -> None:
+        """TensorFlow: the epoch's clock (``_packed.EPOCH``), two int variables that no file
+        saves; the torch backend, which runs eagerly, flushes at the epoch's end instead (None).
+        On JAX the clock is packed with the other counters."""
+        for name in _packed.EPOCH:
+            clock = None
+            if _BACKEND == "tensorflow":
+                clock = self.add_variable(
+                    shape=(),
+                    dtype="int",
+                    initializer="zeros",
+                    aggregation="only_first_replica",
+                    name=name,
+                )
+            setattr(self, f"_{name}", clock)
+
+    def _set_epoch_clock(self, epoch_steps: int, steps_left: int) -> bool:
+        """Set fit's epoch clock: the steps of each epoch and the steps left in the fit (0:
+        stop it). Returns False, and does nothing, where there is no clock: on the torch
+        backend, under a ``tf.distribute`` strategy, before ``build``."""
+        if not self.built or self._epoch_steps is None or self._build_strategy is not None:
+            return False
+        if _BACKEND == "jax":
+            start = _packed.INTS.index(_packed.EPOCH[0])
+            self._ints.assign(
+                _packed.set_ints(self._ints.value, start, np.array([epoch_steps, steps_left]))
+            )
+        else:
+            self._epoch_steps.assign(epoch_steps)
+            self._steps_left.assign(steps_left)
+        return True
+
+    def _cycle_counters(self) -> dict[str, int]:
+        """``micro_step``, ``skipped`` and ``steps_left`` (0 without a clock) now, read from
+        the variables (on JAX in one read of the packed counters)."""
+        if _BACKEND == "jax":
+            return dict(zip(_packed.INTS, np.asarray(self._ints.value).tolist()))
+        out = {name: int(to_numpy(getattr(self, f"_{name}"))) for name in ("micro_step", "skipped")}
+        clock = self._steps_left
+        out["steps_left"] = 0 if clock is None else int(to_numpy(clock))
+        return out
 
     def _build_flat_accumulators(self, var_list: list[Any]) -> list[Any]:
         """JAX: the accumulators of ``var_list`` (small variables, see :func:`_flat_members`)

@@ -123,16 +123,30 @@ class StatefulShell:
 
             return branch
 
+        epoch_last = self._tick_epoch_clock()
         if k == 1:  # every micro-step is a whole cycle
             run(True, True)()
             return
         import tensorflow as tf
 
         step = ops.cast(self._micro_step.value, "int32")
-        # 0: first (k >= 2, so not last), 1: middle, 2: last (a micro-step counter at or past
-        # the cycle's length, after accum_steps was lowered, ends the cycle too).
-        phase = ops.minimum(step, 1) + ops.cast(ops.greater_equal(step + 1, k), "int32")
-        tf.switch_case(phase, [run(True, False), run(False, False), run(False, True)])
+        first = ops.cast(ops.equal(step, 0), "int32")
+        # A micro-step counter at or past the cycle's length (after accum_steps was lowered)
+        # ends the cycle too, as does the last step of fit's epoch.
+        last = ops.cast(ops.logical_or(ops.greater_equal(step + 1, k), epoch_last), "int32")
+        # 0: first, 1: middle, 2: last, 3: first and last (a cycle of one micro-step, at the
+        # end of an epoch).
+        phase = 1 - first + last + 2 * first * last
+        tf.switch_case(
+            phase, [run(True, False), run(False, False), run(False, True), run(True, True)]
+        )
+
+    def _tick_epoch_clock(self) -> Any:
+        """One step of fit's epoch clock (:func:`_cycle.epoch_clock`): whether this step is the
+        epoch's last (a boolean tensor); the counter moves on."""
+        last, after = _cycle.epoch_clock(self._epoch_steps.value, self._steps_left.value)
+        self._steps_left.assign(after)
+        return last
 
     def _fold_phase(
         self, grads: list[Any], variables: list[Any], present: list[bool], first: bool

@@ -38,12 +38,20 @@ class FlushAccumulation(keras.callbacks.Callback):
     on into the next epoch.
 
     It reads nothing from the device during the epoch, so ``fit`` keeps Keras's asynchronous
-    dispatch: at the end of the epoch (before validation, else at ``on_epoch_end``) it flushes
-    the optimizer and every :class:`AccumBatchNormalization` of the model, and reports the cycles
-    the compiled step dropped as non-finite (``on_nonfinite="skip"``: a
-    ``NonFiniteGradientWarning``). With ``on_nonfinite="raise"`` it checks before every batch
-    instead (one read of a counter per batch), so ``NonFiniteGradientError`` stops ``fit`` before
-    the step after the one that dropped the cycle.
+    dispatch. On TensorFlow (without a ``tf.distribute`` strategy) and JAX, when ``fit`` knows
+    the number of steps of an epoch, the epoch's last step ends the cycle itself, short or not,
+    as the flush after it would: when the first epoch begins, the callback writes the steps of
+    each epoch and the steps left in the fit into two counters of the optimizer (the epoch's
+    clock, not saved), which the compiled step counts down, so the clock stops by itself after
+    the fit's last step (an early stop clears it). At
+    the end of the epoch (before validation, else at ``on_epoch_end``) it reads the
+    optimizer's counters once, flushes what is still pending (no clock: the torch backend, a
+    strategy, data of unknown length; or an epoch cut short) and every
+    :class:`AccumBatchNormalization` of the model, and reports the cycles the compiled step
+    dropped as non-finite (``on_nonfinite="skip"``: a ``NonFiniteGradientWarning``). With
+    ``on_nonfinite="raise"`` it checks before every batch instead (one read of a counter per
+    batch), so ``NonFiniteGradientError`` stops ``fit`` before the step after the one that
+    dropped the cycle.
 
     Example:
         >>> import numpy as np, keras
@@ -59,22 +67,68 @@ class FlushAccumulation(keras.callbacks.Callback):
     def __init__(self) -> None:
         super().__init__()
         self._training = False
+        self._batchnorms: list | None = None  # the model's AccumBatchNormalization layers
+        self._epoch = 0
+        self._epoch_done = False
+        # The clock this fit set: its optimizer, the steps of each epoch, the steps it has left
+        # after the current epoch.
+        self._clock: GradientAccumulateOptimizer | None = None
+        self._steps = 0
+        self._left = 0
+        self._start_later = False  # the optimizer was not built when the epoch began
+
+    def _optimizer(self) -> GradientAccumulateOptimizer | None:
+        # ``_model``: Keras's ``model`` property syncs JAX's whole training state each time.
+        return find_accumulator(getattr(getattr(self, "_model", None), "optimizer", None))
 
     def on_train_begin(self, logs: Any = None) -> None:
         """Note that ``fit`` runs (validation inside it flushes first)."""
         self._training = True
+        self._batchnorms = None
 
     def on_train_end(self, logs: Any = None) -> None:
-        """End of ``fit``."""
-        self._training = False
+        """End of ``fit``: stop the clock if steps are left on it (an early stop)."""
+        self._training, self._start_later = False, False
+        if self._clock is not None and self._left:
+            self._clock._set_epoch_clock(0, 0)
+        self._clock = None
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        """A new epoch: its end is still to come; the clock starts with the first one."""
+        self._epoch, self._epoch_done, self._start_later = epoch, False, False
+        if self._clock is None and self._training:
+            self._start_clock(done=0)
+
+    def _start_clock(self, done: int) -> None:
+        """Set the clock for the rest of ``fit``, ``done`` steps into the current epoch."""
+        opt = self._optimizer()
+        steps = (self.params or {}).get("steps")
+        if opt is None or not steps or opt.leftover != "apply":
+            return
+        if not opt.built:
+            # TensorFlow builds the optimizer in the first step (without a strategy): the
+            # clock starts before the second.
+            self._start_later = keras.backend.backend() == "tensorflow"
+            return
+        left = self._steps_left(int(steps), self._epoch) - done
+        if opt._set_epoch_clock(int(steps), left):
+            self._clock, self._steps, self._left = opt, int(steps), left
+
+    def _steps_left(self, steps: int, epoch: int) -> int:
+        """The steps of ``fit`` from epoch ``epoch`` on (within the counter's int32 range: a
+        longer fit sets the clock again where it ran out)."""
+        epochs = int((self.params or {}).get("epochs") or 0)
+        return min(max(epochs - epoch, 0) * steps, (2**31 - 1) // steps * steps)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        """With ``on_nonfinite="raise"``: raise for a cycle the previous step dropped."""
-        # ``_model``: Keras's ``model`` property syncs JAX's whole training state each time.
-        model = getattr(self, "_model", None)
-        opt = find_accumulator(getattr(model, "optimizer", None))
+        """With ``on_nonfinite="raise"``: raise for a cycle the previous step dropped. In the
+        first epoch on TensorFlow: start the clock once the optimizer is built."""
+        if self._start_later and batch > 0:
+            self._start_later = False
+            self._start_clock(done=batch)
+        opt = self._optimizer()
         if opt is not None and opt.on_nonfinite == "raise":
-            self._report_nonfinite(model, opt)
+            self._report_nonfinite(self._model, opt)
 
     def on_test_begin(self, logs: Any = None) -> None:
         """Validation inside ``fit``: the epoch's short cycle is applied first."""
@@ -86,17 +140,38 @@ class FlushAccumulation(keras.callbacks.Callback):
         self._end_of_epoch()
 
     def _end_of_epoch(self) -> None:
-        opt = find_accumulator(getattr(self.model, "optimizer", None))
+        if self._epoch_done and self._training:
+            return  # validation ended this epoch already
+        model = getattr(self, "_model", None)
+        opt = find_accumulator(getattr(model, "optimizer", None))
         if opt is None or not opt.built:
             return
-        if keras.backend.backend() == "jax" and hasattr(self.model, "jax_state_sync"):
-            self.model.jax_state_sync()
+        self._epoch_done = True
+        if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
+            model.jax_state_sync()
+        counters = opt._cycle_counters()
         flushed = False
         if opt.leftover == "apply":
-            flushed = opt.flush()  # reports the dropped cycles itself
-            flush_batchnorm(self.model)
+            if counters["micro_step"]:  # no clock, or an epoch cut short
+                flushed = opt.flush()  # reports the dropped cycles itself
+            if self._batchnorms is None:  # found once per fit
+                self._batchnorms = _batchnorm_layers(model)
+            for layer in self._batchnorms:
+                layer.flush()
+        if self._clock is opt:
+            self._wind_clock(opt, counters["steps_left"])
         if not flushed:
-            opt.report_nonfinite()
+            opt.report_nonfinite(counters["skipped"])
+
+    def _wind_clock(self, opt: GradientAccumulateOptimizer, left_now: int) -> None:
+        """At the end of an epoch: set the clock again where it is not where a whole epoch
+        leaves it (an epoch cut short, the int32 range), or stop it (``leftover`` set to
+        ``"carry"`` during ``fit``)."""
+        self._left = 0
+        if opt.leftover == "apply":
+            self._left = self._steps_left(self._steps, self._epoch + 1)
+        if left_now != self._left:
+            opt._set_epoch_clock(self._steps, self._left)
 
     @staticmethod
     def _report_nonfinite(model: Any, opt: GradientAccumulateOptimizer) -> None:
@@ -177,12 +252,15 @@ def flush_batchnorm(model: Any) -> int:
     Returns:
         The number of layers that had a short cycle pending.
     """
+    return sum(bool(layer.flush()) for layer in _batchnorm_layers(model))
+
+
+def _batchnorm_layers(model: Any) -> list[Any]:
+    """The :class:`AccumBatchNormalization` layers of ``model`` (None: none)."""
     from gradient_accumulator.keras.layers import AccumBatchNormalization
 
     layers = model._flatten_layers(include_self=False) if model is not None else []
-    return sum(
-        bool(layer.flush()) for layer in layers if isinstance(layer, AccumBatchNormalization)
-    )
+    return [layer for layer in layers if isinstance(layer, AccumBatchNormalization)]
 
 
 def _with_flush(callbacks: Any, model: Any) -> None:

@@ -69,9 +69,10 @@ def test_shared_flat_variable_trains_bit_for_bit_like_one_variable_each(case, mo
     run_eagerly, settings = CASES[case]
     flat = _train(_parts.FLAT_MAX_ELEMENTS, run_eagerly, settings, monkeypatch)
     each = _train(-1, run_eagerly, settings, monkeypatch)
-    # The layouts: the 64x80 kernel alone, the five small accumulators in one vector of 901.
-    assert flat[3] == [(), (3,), (10,), (901,), (64, 80)]
-    assert each[3] == [(), (3,), (10,), (64, 80), (80,), (80, 10), (10,), (10, 1), (1,)]
+    # The layouts (the counters: five, with the epoch clock's two): the 64x80 kernel alone,
+    # the five small accumulators in one vector of 901.
+    assert flat[3] == [(), (5,), (10,), (901,), (64, 80)]
+    assert each[3] == [(), (5,), (10,), (64, 80), (80,), (80, 10), (10,), (10, 1), (1,)]
     for got, want in zip(flat[:3], each[:3]):
         assert len(got) == len(want)
         for g, w in zip(got, want):
