@@ -26,9 +26,7 @@ def _cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     step): about 0.2 s a step on a CPU for a small model, and long enough on a GPU that one
     eager test ran for minutes. Reading the predicate costs one device read instead.
     """
-    import jax
-
-    if isinstance(pred, jax.core.Tracer):
+    if _cycle.traced(pred):
         return ops.cond(pred, true_fn, false_fn)
     return true_fn() if bool(pred) else false_fn()
 
@@ -148,42 +146,56 @@ class StatelessShell:
         trainable_values: list,
         present: list[bool],
     ) -> tuple[list, dict, list]:
-        """If ``boundary``: the cycle ends as :func:`_cycle.boundary` decides, in one branch of
-        a conditional; the inner optimizer's ``stateless_apply`` runs in a nested one."""
+        """If ``boundary``: the cycle ends as :func:`_cycle.boundary` decides.
+
+        Two conditionals one after the other, not one inside the other: the verdict on the
+        cycle's gradient (``boundary``'s own, which returns one scalar), then the inner
+        optimizer's ``stateless_apply`` where the cycle updates. A conditional whose untaken
+        branch passes the optimizer's slots through costs a copy of each of them on every
+        step once the update can be declined inside the taken one (XLA's copy insertion, with
+        ``fit``'s donated state: benchmarks/README.md); the counters are scalars, selected.
+        """
+        if not _cycle.traced(boundary):  # run eagerly: known here
+            if not bool(boundary):
+                return list(trainable_values), own, list(inner_values)
+            boundary = True
         fields = _cycle.CycleState._fields
         # Decided outside the conditional, where the seen flags may still be concrete.
         choice = _cycle.seen_choice(own["seen"], present)
+        end = _cycle.boundary(
+            _cycle.CycleState(*(own[k] for k in fields)),
+            self._options,
+            at=boundary,
+            # Checked whole: the flat variable is its members end to end, one reduction.
+            accs=[a for a in own["accs"] if a is not None]
+            + ([] if own["acc_flat"] is None else [own["acc_flat"]]),
+            static_scale=self._static_scale,
+        )
 
-        def end() -> tuple:
-            accs = self._accs(own)  # sliced in the branch: no copy on a micro-step
-            out = _cycle.boundary(
-                _cycle.CycleState(*(own[k] for k in fields)),
-                self._options,
-                accs=accs,
-                static_scale=self._static_scale,
+        def update() -> tuple[list, list]:
+            # Sliced in the branch: no copy on a step that does not update.
+            return self._stateless_update(
+                end.scale, self._accs(own), inner_values, trainable_values, choice
             )
-            tv, inner = self._stateless_update(out, accs, inner_values, trainable_values, choice)
-            return (tv, inner, *out.state)
 
-        def keep() -> tuple:
-            return (list(trainable_values), list(inner_values), *[own[k] for k in fields])
-
-        tv, inner, *rest = _cond(boundary, end, keep)
+        tv, inner = _cond(
+            end.do_update, update, lambda: (list(trainable_values), list(inner_values))
+        )
         own = dict(own)
-        own.update(zip(fields, rest))
-        return tv, own, inner
+        own.update(zip(fields, end.state))
+        return list(tv), own, list(inner)
 
     def _stateless_update(
         self,
-        end: _cycle.CycleEnd,
+        scale: Any,
         accs: list,
         inner_values: list,
         trainable_values: list,
         choice: tuple,
     ) -> tuple[list, list]:
-        """The inner optimizer's ``stateless_apply`` with the cycle's gradient, if
-        ``end.do_update``: new trainable and inner optimizer values."""
-        grads = self._final_grads(accs, self._trainable_variables, trainable_values, end.scale)
+        """The inner optimizer's ``stateless_apply`` with the cycle's gradient (the
+        accumulators ``accs`` times ``scale``): new trainable and inner optimizer values."""
+        grads = self._final_grads(accs, self._trainable_variables, trainable_values, scale)
 
         def inner_update(keep: list[int]) -> tuple[list, list]:
             if not keep:
@@ -199,13 +211,8 @@ class StatelessShell:
                 )
             return list(tv), list(inner)
 
-        def update() -> tuple[list, list]:
-            tv, inner = _cycle.on_choice(choice, inner_update)
-            return list(tv), list(inner)
-
-        if end.do_update is True:
-            return update()
-        return _cond(end.do_update, update, lambda: (list(trainable_values), list(inner_values)))
+        tv, inner = _cycle.on_choice(choice, inner_update)
+        return list(tv), list(inner)
 
     def _jax_stateful(self, grads: list[Any]) -> None:
         tv, ov = self.stateless_apply(

@@ -142,10 +142,10 @@ class FlushAccumulation(keras.callbacks.Callback):
     def _end_of_epoch(self) -> None:
         if self._epoch_done and self._training:
             return  # validation ended this epoch already
-        model = getattr(self, "_model", None)
-        opt = find_accumulator(getattr(model, "optimizer", None))
+        opt = self._optimizer()
         if opt is None or not opt.built:
             return
+        model = self._model
         self._epoch_done = True
         if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
             model.jax_state_sync()
@@ -256,7 +256,7 @@ def flush_batchnorm(model: Any) -> int:
 
 
 def _batchnorm_layers(model: Any) -> list[Any]:
-    """The :class:`AccumBatchNormalization` layers of ``model`` (None: none)."""
+    """The :class:`AccumBatchNormalization` layers of ``model`` (an empty list for ``None``)."""
     from gradient_accumulator.keras.layers import AccumBatchNormalization
 
     layers = model._flatten_layers(include_self=False) if model is not None else []
