@@ -2,8 +2,9 @@
 
 The wrapper's variables are read back as values, matched by identity (its scalars and seen
 flags unpacked from two vectors, the small accumulators sliced from one flat vector, see
-``_packed``), folded and, in one branch of a ``lax.cond``, ended as a cycle; non-boundary
-micro-steps compute the accumulate only.
+``_packed``), folded and, at a boundary, ended as a cycle: the non-finite verdict and the inner
+update each in a ``lax.cond`` of its own, so non-boundary micro-steps compute the accumulate
+only.
 """
 
 from __future__ import annotations
