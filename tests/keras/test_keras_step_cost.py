@@ -5,7 +5,7 @@ TensorFlow without a strategy: one conditional picks the micro-step's phase, and
 micro-step adds each weighted gradient in place in one op (no multiply, no select), with the
 same rounding as ``acc + w·g``. The torch backend's core path mirrors the cycle's counters into
 the variables in place, with no Keras ``assign`` per micro-step. JAX run eagerly: a warm step
-compiles nothing.
+compiles nothing; traced, the update's conditional follows the verdict's instead of nesting in it.
 """
 
 from __future__ import annotations
@@ -149,3 +149,25 @@ def test_jax_eager_step_compiles_nothing_once_warm():
     compiles = [m for m in messages if "ompil" in m]
     assert compiles == [], compiles[:3]
     assert int(model.optimizer.iterations) == 4
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's traced step")
+def test_jax_update_conditional_follows_the_verdicts_not_inside_it():
+    # The boundary's non-finite verdict is one lax.cond returning a scalar, the inner update a
+    # second one after it. Nested (the update's conditional inside the boundary's), XLA copied
+    # the optimizer slots the untaken branch passed through on every step (benchmarks/README.md).
+    import jax
+
+    opt, variables = _setup()
+    assert opt.on_nonfinite == "skip"  # the default, which checks
+    trainable = [v.value for v in variables]
+    jaxpr = jax.make_jaxpr(opt.stateless_apply)(
+        [v.value for v in opt.variables], _grads(0), trainable
+    ).jaxpr
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert sorted(len(e.outvars) for e in conds)[0] == 1, [len(e.outvars) for e in conds]
+    assert len(conds) == 2, [len(e.outvars) for e in conds]
+    for eqn in conds:
+        for branch in eqn.params["branches"]:
+            inner = [q.primitive.name for q in branch.jaxpr.eqns]
+            assert "cond" not in inner, inner
