@@ -184,7 +184,7 @@ class StatelessShell:
         )
         own = dict(own)
         own.update(zip(fields, end.state))
-        return list(tv), own, list(inner)
+        return tv, own, inner
 
     def _stateless_update(
         self,

@@ -272,10 +272,11 @@ class CycleParts:
         backend, under a ``tf.distribute`` strategy, before ``build``."""
         if not self.built or self._epoch_steps is None or self._build_strategy is not None:
             return False
-        if _BACKEND == "jax":
-            start = _packed.INTS.index(_packed.EPOCH[0])
+        if _BACKEND == "jax":  # both counters at once: EPOCH's two are adjacent in INTS
             self._ints.assign(
-                _packed.set_ints(self._ints.value, start, np.array([epoch_steps, steps_left]))
+                _packed.set_ints(
+                    self._ints.value, self._epoch_steps.index, np.array([epoch_steps, steps_left])
+                )
             )
         else:
             self._epoch_steps.assign(epoch_steps)
