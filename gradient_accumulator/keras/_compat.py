@@ -1,6 +1,7 @@
 """Keras internals the package relies on, and small helpers shared by the Keras modules.
 
-:data:`REACHES` lists every private attribute of Keras the package touches, the global patch it
+:data:`REACHES` lists every private attribute of Keras the package touches (and the JAX
+internals the JAX step reads its update's structure from), the global patch it
 installs (:func:`install_fit_hook`) and the two reads of a caller's frame
 (:func:`model_being_cloned`, :func:`loss_scale_optimizer_wrapping`), with the Keras versions
 they were checked against; ``tests/keras/test_keras_private_reaches.py`` probes each against the
@@ -103,6 +104,14 @@ REACHES = (
         KERAS,
         "the inner update in a conditional under a tf.distribute strategy without merge_call "
         "(apply_uncounted, from keras/_tf_shell.py)",
+    ),
+    Reach(
+        "jax",
+        "jax.jit(f).trace(...).jaxpr: ClosedJaxpr.jaxpr.invars / outvars / eqns (each eqn's "
+        "invars, outvars), jax.extend.core.Literal, jax.typeof",
+        "0.10.2",
+        "splitting the JAX step's inner update into one conditional per variable's slots on a "
+        "CPU, by what each output reads (keras/_jax_groups.py, keras/_jax_shell.py)",
     ),
 )
 

@@ -2,9 +2,9 @@
 
 The wrapper's variables are read back as values, matched by identity (its scalars and seen
 flags unpacked from two vectors, the small accumulators sliced from one flat vector, see
-``_packed``), folded and, at a boundary, ended as a cycle: the non-finite verdict and the inner
-update each in a ``lax.cond`` of its own, so non-boundary micro-steps compute the accumulate
-only.
+``_packed``), folded and, at a boundary, ended as a cycle: the non-finite verdict in a
+``lax.cond`` of its own, then the inner update in another (on a CPU, one per variable with its
+slots: ``_jax_groups``), so non-boundary micro-steps compute the accumulate only.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
-from gradient_accumulator.keras import _cycle, _packed
+from gradient_accumulator.keras import _cycle, _jax_groups, _packed
 
 
 def _cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
@@ -149,12 +150,13 @@ class StatelessShell:
     ) -> tuple[list, dict, list]:
         """If ``boundary``: the cycle ends as :func:`_cycle.boundary` decides.
 
-        Two conditionals one after the other, not one inside the other: the verdict on the
+        Conditionals one after the other, not one inside the other: the verdict on the
         cycle's gradient (``boundary``'s own, which returns one scalar), then the inner
-        optimizer's ``stateless_apply`` where the cycle updates. A conditional whose untaken
-        branch passes the optimizer's slots through costs a copy of each of them on every
-        step once the update can be declined inside the taken one (XLA's copy insertion, with
-        ``fit``'s donated state: benchmarks/README.md); the counters are scalars, selected.
+        optimizer's ``stateless_apply`` where the cycle updates (:meth:`_conditional_update`).
+        A conditional whose untaken branch passes the optimizer's slots through costs a copy of
+        each of them on every step once the update can be declined inside the taken one
+        (XLA's copy insertion, with ``fit``'s donated state: benchmarks/README.md); the
+        counters are scalars, selected.
         """
         if not _cycle.traced(boundary):  # run eagerly: known here
             if not bool(boundary):
@@ -173,18 +175,89 @@ class StatelessShell:
             static_scale=self._static_scale,
         )
 
-        def update() -> tuple[list, list]:
-            # Sliced in the branch: no copy on a step that does not update.
-            return self._stateless_update(
-                end.scale, self._accs(own), inner_values, trainable_values, choice
-            )
-
-        tv, inner = _cond(
-            end.do_update, update, lambda: (list(trainable_values), list(inner_values))
+        tv, inner = self._conditional_update(
+            end.do_update, end.scale, own, inner_values, trainable_values, choice
         )
         own = dict(own)
         own.update(zip(fields, end.state))
         return tv, own, inner
+
+    def _conditional_update(
+        self,
+        do_update: Any,
+        scale: Any,
+        own: dict,
+        inner_values: list,
+        trainable_values: list,
+        choice: tuple,
+    ) -> tuple[list, list]:
+        """New trainable and inner values: the inner update if ``do_update``, else the old ones.
+
+        One conditional, or under a JAX trace one per group of outputs that
+        :func:`_jax_groups.write_groups` finds independent (a branch small enough for XLA's
+        CPU runtime to run in the calling thread). The accumulators are sliced in the branch:
+        no copy on a step that does not update.
+        """
+        n_tv = len(trainable_values)
+        state = list(trainable_values) + list(inner_values)
+
+        def update(accs: list, scale: Any, *state: Any) -> list:
+            tv, inner = self._stateless_update(
+                scale, accs, list(state[n_tv:]), list(state[:n_tv]), choice
+            )
+            return list(tv) + list(inner)
+
+        groups, update = self._update_groups(do_update, update, scale, state, choice)
+        if groups is None:
+            groups = [list(range(len(state)))]
+        new = list(state)
+        for group in groups:
+
+            def taken(group: list[int] = group) -> list:
+                out = update(self._accs(own), scale, *state)
+                return [out[i] for i in group]
+
+            values = _cond(do_update, taken, lambda group=group: [state[i] for i in group])
+            for i, value in zip(group, values):
+                new[i] = value
+        return new[:n_tv], new[n_tv:]
+
+    def _update_groups(
+        self, do_update: Any, update: Any, scale: Any, state: list, choice: tuple
+    ) -> tuple[list[list[int]] | None, Any]:
+        """``(groups, update)``: the output groups for one conditional each (None: one for
+        all), and ``update`` as the branches should call it (traced once, then inlined)."""
+        if keras.backend.backend() != "jax" or not _cycle.traced(do_update):
+            return None, update
+        import jax
+
+        # XLA's CPU runtime only (on a GPU each conditional may cost a host read of its
+        # predicate); a choice of variables decided on the device keeps the update whole; JAX
+        # older than ``jax.typeof`` (0.4.36) keeps one conditional.
+        if (
+            jax.default_backend() != "cpu"
+            or not isinstance(choice[0], bool)
+            or not hasattr(jax, "typeof")
+        ):
+            return None, update
+
+        def spec(x: Any) -> Any:
+            return (
+                None
+                if x is None
+                else jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+            )
+
+        accs = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in self._accumulators]
+        once = jax.jit(update)
+        jaxpr = once.trace(accs, spec(scale), *map(spec, state)).jaxpr
+        read_sizes = [int(np.prod(a.shape)) for a in accs]
+        if scale is not None:
+            read_sizes.append(int(np.prod(np.shape(scale))))
+        groups = _jax_groups.write_groups(
+            jaxpr, read_sizes, [int(np.prod(np.shape(x))) for x in state]
+        )
+        return groups, once
 
     def _stateless_update(
         self,

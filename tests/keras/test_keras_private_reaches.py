@@ -1,4 +1,5 @@
-"""Every private part of Keras the package relies on is still there (on this backend).
+"""Every private part of Keras the package relies on is still there (on this backend), and the
+JAX internals the JAX step reads its update's structure from.
 
 Each record of ``keras/_compat.py``'s ``REACHES`` has a probe here that exercises it as the
 package does; a probe that fails names the record, the installed Keras and the version it was
@@ -165,6 +166,25 @@ def _apply_parts() -> None:
     assert float(keras.ops.convert_to_numpy(a[1]).min()) == 0.0, "the constraint did not run"
 
 
+def _jaxpr() -> None:
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX step's reach")
+    import jax
+    import jax.numpy as jnp
+
+    from gradient_accumulator.keras import _jax_groups
+
+    def update(g0, g1, w0, w1, it, lr):
+        return [w0 - lr * g0, w1 - lr * g1 * 2.0, it + 1, lr]
+
+    args = [jnp.ones(3), jnp.ones(2), jnp.zeros(3), jnp.zeros(2), jnp.int32(0), jnp.float32(0.1)]
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=jax.typeof(a).weak_type) for a in args
+    ]
+    jaxpr = jax.jit(update, inline=True).trace(*specs).jaxpr
+    assert _jax_groups.write_groups(jaxpr, [3, 2], [3, 2, 1, 1]) == [[0], [1], [2]]
+
+
 PROBES: dict[str, Callable[[], None]] = dict(
     zip(
         [r.target for r in _compat.REACHES],
@@ -179,6 +199,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
             _clone_frame,
             _loss_scale_frame,
             _apply_parts,
+            _jaxpr,
         ],
     )
 )
@@ -186,7 +207,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
 
 def test_every_reach_has_a_probe():
     assert len(PROBES) == len(_compat.REACHES)
-    assert all(r.library == "keras" for r in _compat.REACHES)
+    assert all(r.library in ("keras", "jax") for r in _compat.REACHES)
 
 
 @pytest.mark.parametrize("reach", _compat.REACHES, ids=lambda r: r.target.split(" ")[0])

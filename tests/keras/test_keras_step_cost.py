@@ -165,8 +165,11 @@ def test_jax_update_conditional_follows_the_verdicts_not_inside_it():
         [v.value for v in opt.variables], _grads(0), trainable
     ).jaxpr
     conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    assert sorted(len(e.outvars) for e in conds)[0] == 1, [len(e.outvars) for e in conds]
-    assert len(conds) == 2, [len(e.outvars) for e in conds]
+    # The verdict first (one scalar), then the update: on a CPU one conditional per variable
+    # and one for the counter (test_keras_jax_groups.py), elsewhere one for all.
+    outputs = [len(e.outvars) for e in conds]
+    assert outputs[0] == 1, outputs
+    assert outputs[1:] in ([1, 1, 1], [3]), outputs
     for eqn in conds:
         for branch in eqn.params["branches"]:
             inner = [q.primitive.name for q in branch.jaxpr.eqns]

@@ -1,0 +1,92 @@
+"""Which outputs of the JAX cycle's inner update may each go in a conditional of their own.
+
+At a boundary the inner optimizer's update runs in a ``lax.cond``. XLA's CPU runtime runs a
+branch of more than eight operations with an executor of its own, and that executor hands the
+operations that are ready at the same time to other threads (``thunk_executor.cc``). An
+optimizer's per-variable updates are all ready when the branch starts, so a small model paid a
+thread handover per update at every boundary: on one core, a context switch each
+(benchmarks/README.md). One conditional per variable's own slots keeps each branch small enough
+to run in the calling thread.
+
+The split is read off the update's jaxpr, so it holds for any inner optimizer:
+
+- outputs that read or write the same array stay in one group (two conditionals that touch one
+  buffer make XLA copy it); a scalar may be read across groups (its copy costs nothing);
+- an update that couples the variables (a global norm over every gradient) stays whole;
+- an output that returns its input unchanged needs no conditional.
+
+Every group's branch computes the same update, pruned by XLA to the group's outputs, so the
+values are those of the one conditional, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# More groups than this and the update stays in one conditional. Each branch holds the whole
+# update until XLA prunes it, so compile time grows with the count; and a model of many
+# variables has larger operations, where a handover to another thread costs relatively less.
+MAX_GROUPS = 16
+
+
+def write_groups(
+    jaxpr: Any, read_sizes: Sequence[int], state_sizes: Sequence[int], max_groups: int = MAX_GROUPS
+) -> list[list[int]] | None:
+    """Groups of the update's outputs for separate conditionals; None: one conditional (fewer
+    than two groups, or more than ``max_groups``).
+
+    ``jaxpr``: the update as a closed jaxpr. Its inputs are ``len(read_sizes)`` arrays it only
+    reads, then the state (``len(state_sizes)`` arrays); its outputs are the state's new values,
+    in the same order. The sizes are element counts. A group lists output indices, in order.
+    """
+    from jax.extend.core import Literal
+
+    inner = jaxpr.jaxpr
+    n_read, n_state = len(read_sizes), len(state_sizes)
+    if len(inner.invars) != n_read + n_state or len(inner.outvars) != n_state:
+        raise ValueError(
+            f"the update's jaxpr has {len(inner.invars)} inputs and {len(inner.outvars)} "
+            f"outputs; {n_read} read-only and {n_state} state arrays were given"
+        )
+    # Which inputs each value depends on, as a bit set over the inputs. An equation's outputs
+    # depend on all its inputs (a nested jaxpr included): coarse, never wrong.
+    deps: dict[Any, int] = {v: 1 << i for i, v in enumerate(inner.invars)}
+
+    def of(v: Any) -> int:
+        return 0 if isinstance(v, Literal) else deps.get(v, 0)
+
+    for eqn in inner.eqns:
+        d = 0
+        for v in eqn.invars:
+            d |= of(v)
+        for v in eqn.outvars:
+            deps[v] = d
+    # Union-find over the arrays: the state's (index i: input i and output i) and the
+    # read-only ones (index n_state + r).
+    sizes = list(state_sizes) + list(read_sizes)
+    parent = list(range(n_state + n_read))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    written = []
+    for o, v in enumerate(inner.outvars):
+        if v is inner.invars[n_read + o]:
+            continue  # passed through: not written
+        written.append(o)
+        d = of(v)
+        while d:
+            i = (d & -d).bit_length() - 1  # the lowest input it reads
+            d &= d - 1
+            node = n_state + i if i < n_read else i - n_read
+            if sizes[node] > 1:
+                parent[find(node)] = find(o)
+    groups: dict[int, list[int]] = {}
+    for o in written:
+        groups.setdefault(find(o), []).append(o)
+    found = sorted(groups.values())
+    return found if 2 <= len(found) <= max_groups else None
