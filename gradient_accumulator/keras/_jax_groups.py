@@ -13,7 +13,8 @@ The split is read off the update's jaxpr, so it holds for any inner optimizer:
 - outputs that read or write the same array stay in one group (two conditionals that touch one
   buffer make XLA copy it); a scalar may be read across groups (its copy costs nothing);
 - an update that couples the variables (a global norm over every gradient) stays whole;
-- an output that returns its input unchanged needs no conditional.
+- an output that returns its input unchanged needs no conditional;
+- an update with effects (a print, a host callback) stays whole, so they run once.
 
 Every group's branch computes the same update, pruned by XLA to the group's outputs, so the
 values are those of the one conditional, bit for bit.
@@ -34,7 +35,7 @@ def write_groups(
     jaxpr: Any, read_sizes: Sequence[int], state_sizes: Sequence[int], max_groups: int = MAX_GROUPS
 ) -> list[list[int]] | None:
     """Groups of the update's outputs for separate conditionals; None: one conditional (fewer
-    than two groups, or more than ``max_groups``).
+    than two groups, more than ``max_groups``, or an update with effects).
 
     ``jaxpr``: the update as a closed jaxpr. Its inputs are ``len(read_sizes)`` arrays it only
     reads, then the state (``len(state_sizes)`` arrays); its outputs are the state's new values,
@@ -49,6 +50,8 @@ def write_groups(
             f"the update's jaxpr has {len(inner.invars)} inputs and {len(inner.outvars)} "
             f"outputs; {n_read} read-only and {n_state} state arrays were given"
         )
+    if inner.effects:
+        return None  # a print or callback in the update would run once per conditional
     # Which inputs each value depends on, as a bit set over the inputs. An equation's outputs
     # depend on all its inputs (a nested jaxpr included): coarse, never wrong.
     deps: dict[Any, int] = {v: 1 << i for i, v in enumerate(inner.invars)}

@@ -49,6 +49,20 @@ def test_global_norm_keeps_the_update_whole():
     assert _groups(fn, [(4,), (3,)], [(4,), (3,)]) is None
 
 
+def test_an_update_with_effects_stays_whole():
+    import jax
+
+    def fn(g0, g1, w0, w1):
+        jax.debug.print("{}", g0[0])  # would print once per conditional
+        return [w0 - g0, w1 - g1]
+
+    assert _groups(fn, [(4,), (3,)], [(4,), (3,)]) is None
+    assert _groups(lambda g0, g1, w0, w1: [w0 - g0, w1 - g1], [(4,), (3,)], [(4,), (3,)]) == [
+        [0],
+        [1],
+    ]
+
+
 def test_a_shared_array_joins_the_groups_that_read_it():
     # w1's update reads w0 (a non-scalar another group writes): one group, not two.
     def fn(g0, g1, w0, w1, it):
