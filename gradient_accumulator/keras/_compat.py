@@ -107,8 +107,8 @@ REACHES = (
     ),
     Reach(
         "jax",
-        "jax.jit(f).trace(...).jaxpr: ClosedJaxpr.jaxpr.invars / outvars / eqns (each eqn's "
-        "invars, outvars), jax.extend.core.Literal, jax.typeof",
+        "jax.jit(f).trace(*values).jaxpr: ClosedJaxpr.jaxpr.invars / outvars / eqns / effects "
+        "(each eqn's invars, outvars), jax.extend.core.Literal",
         "0.10.2",
         "splitting the JAX step's inner update into one conditional per variable's slots on a "
         "CPU, by what each output reads (keras/_jax_groups.py, keras/_jax_shell.py)",

@@ -1,8 +1,9 @@
 """Which outputs of the JAX cycle's inner update may each go in a conditional of their own.
 
 At a boundary the inner optimizer's update runs in a ``lax.cond``. XLA's CPU runtime runs a
-branch of more than eight operations with an executor of its own, and that executor hands the
-operations that are ready at the same time to other threads (``thunk_executor.cc``). An
+branch of more than eight operations (unless all its buffers are of at most 512 bytes) with an
+executor of its own, and that executor hands the operations that are ready at the same time to
+other threads (``thunk_executor.cc``). An
 optimizer's per-variable updates are all ready when the branch starts, so a small model paid a
 thread handover per update at every boundary: on one core, a context switch each
 (benchmarks/README.md). One conditional per variable's own slots keeps each branch small enough
@@ -16,8 +17,11 @@ The split is read off the update's jaxpr, so it holds for any inner optimizer:
 - an output that returns its input unchanged needs no conditional;
 - an update with effects (a print, a host callback) stays whole, so they run once.
 
-Every group's branch computes the same update, pruned by XLA to the group's outputs, so the
-values are those of the one conditional, bit for bit.
+Every group's branch computes the same update, pruned by XLA to the group's outputs: the same
+operations on the same values. They are bit for bit those of one conditional for the optimizers
+tested (Adam, AdamW, SGD with momentum, Lion, RMSprop, a global norm, AGC). Where every group
+recomputes a scalar the update writes, XLA may fuse it differently in each branch: Nadam's
+product of momentum factors, whose weights then differ from one conditional's by about 1 ulp.
 """
 
 from __future__ import annotations
@@ -35,21 +39,23 @@ def write_groups(
     jaxpr: Any, read_sizes: Sequence[int], state_sizes: Sequence[int], max_groups: int = MAX_GROUPS
 ) -> list[list[int]] | None:
     """Groups of the update's outputs for separate conditionals; None: one conditional (fewer
-    than two groups, more than ``max_groups``, or an update with effects).
+    than two groups, more than ``max_groups``, an update with effects, or inputs other than
+    those described here).
 
     ``jaxpr``: the update as a closed jaxpr. Its inputs are ``len(read_sizes)`` arrays it only
     reads, then the state (``len(state_sizes)`` arrays); its outputs are the state's new values,
     in the same order. The sizes are element counts. A group lists output indices, in order.
     """
-    from jax.extend.core import Literal
-
+    try:
+        from jax.extend.core import Literal
+    except ImportError:  # an older JAX: one conditional
+        return None
     inner = jaxpr.jaxpr
     n_read, n_state = len(read_sizes), len(state_sizes)
     if len(inner.invars) != n_read + n_state or len(inner.outvars) != n_state:
-        raise ValueError(
-            f"the update's jaxpr has {len(inner.invars)} inputs and {len(inner.outvars)} "
-            f"outputs; {n_read} read-only and {n_state} state arrays were given"
-        )
+        # Values the update closes over (a tracer of the caller's function, read by a
+        # learning-rate schedule) come first as inputs of their own: one conditional.
+        return None
     if inner.effects:
         return None  # a print or callback in the update would run once per conditional
     # Which inputs each value depends on, as a bit set over the inputs. An equation's outputs

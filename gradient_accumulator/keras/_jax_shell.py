@@ -207,7 +207,7 @@ class StatelessShell:
             )
             return list(tv) + list(inner)
 
-        groups, update = self._update_groups(do_update, update, scale, state, choice)
+        groups, update = self._update_groups(do_update, update, own, scale, state, choice)
         if groups is None:
             groups = [list(range(len(state)))]
         new = list(state)
@@ -223,39 +223,36 @@ class StatelessShell:
         return new[:n_tv], new[n_tv:]
 
     def _update_groups(
-        self, do_update: Any, update: Any, scale: Any, state: list, choice: tuple
+        self, do_update: Any, update: Any, own: dict, scale: Any, state: list, choice: tuple
     ) -> tuple[list[list[int]] | None, Any]:
         """``(groups, update)``: the output groups for one conditional each (None: one for
-        all), and ``update`` as the branches should call it (traced once, then inlined)."""
+        all), and ``update`` as the branches should call it (traced once; each calls it)."""
         if keras.backend.backend() != "jax" or not _cycle.traced(do_update):
             return None, update
         import jax
 
         # XLA's CPU runtime only (on a GPU each conditional may cost a host read of its
-        # predicate); a choice of variables decided on the device keeps the update whole; JAX
-        # older than ``jax.typeof`` (0.4.36) keeps one conditional.
+        # predicate); a choice of variables decided on the device keeps the update whole, and
+        # so does a model of more variables than groups allowed (its groups would be too many,
+        # or one large group: nothing to gain from reading the jaxpr).
         if (
             jax.default_backend() != "cpu"
             or not isinstance(choice[0], bool)
-            or not hasattr(jax, "typeof")
+            or len(self._trainable_variables) > _jax_groups.MAX_GROUPS
         ):
             return None, update
-
-        def spec(x: Any) -> Any:
-            return (
-                None
-                if x is None
-                else jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
-            )
-
-        accs = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in self._accumulators]
         once = jax.jit(update)
-        jaxpr = once.trace(accs, spec(scale), *map(spec, state)).jaxpr
-        read_sizes = [int(np.prod(a.shape)) for a in accs]
-        if scale is not None:
-            read_sizes.append(int(np.prod(np.shape(scale))))
+        if not hasattr(once, "trace"):  # an older JAX: one conditional
+            return None, update
+        # Traced on the values themselves (their shardings included), so that the branches'
+        # calls find this trace.
+        accs = self._accs(own)
+        jaxpr = once.trace(accs, scale, *state).jaxpr
+        read = [*accs, *([] if scale is None else [scale])]
         groups = _jax_groups.write_groups(
-            jaxpr, read_sizes, [int(np.prod(np.shape(x))) for x in state]
+            jaxpr,
+            [int(np.prod(np.shape(a))) for a in read],
+            [int(np.prod(np.shape(x))) for x in state],
         )
         return groups, once
 

@@ -177,12 +177,16 @@ def _jaxpr() -> None:
     def update(g0, g1, w0, w1, it, lr):
         return [w0 - lr * g0, w1 - lr * g1 * 2.0, it + 1, lr]
 
-    args = [jnp.ones(3), jnp.ones(2), jnp.zeros(3), jnp.zeros(2), jnp.int32(0), jnp.float32(0.1)]
-    specs = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=jax.typeof(a).weak_type) for a in args
-    ]
-    jaxpr = jax.jit(update, inline=True).trace(*specs).jaxpr
-    assert _jax_groups.write_groups(jaxpr, [3, 2], [3, 2, 1, 1]) == [[0], [1], [2]]
+    found = []
+
+    @jax.jit
+    def step(*values):  # traced on the values of an enclosing trace, as the JAX step does
+        jaxpr = jax.jit(update).trace(*values).jaxpr
+        found.append(_jax_groups.write_groups(jaxpr, [3, 2], [3, 2, 1, 1]))
+        return update(*values)
+
+    step(jnp.ones(3), jnp.ones(2), jnp.zeros(3), jnp.zeros(2), jnp.int32(0), jnp.float32(0.1))
+    assert found == [[[0], [1], [2]]]
 
 
 PROBES: dict[str, Callable[[], None]] = dict(
