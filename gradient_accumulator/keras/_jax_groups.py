@@ -3,11 +3,10 @@
 At a boundary the inner optimizer's update runs in a ``lax.cond``. XLA's CPU runtime runs a
 branch of more than eight operations (unless all its buffers are of at most 512 bytes) with an
 executor of its own, and that executor hands the operations that are ready at the same time to
-other threads (``thunk_executor.cc``). An
-optimizer's per-variable updates are all ready when the branch starts, so a small model paid a
-thread handover per update at every boundary: on one core, a context switch each
-(benchmarks/README.md). One conditional per variable's own slots keeps each branch small enough
-to run in the calling thread.
+other threads (``thunk_executor.cc``). An optimizer's per-variable updates are all ready when
+the branch starts, so a small model paid a thread handover per update at every boundary: on
+one core, a context switch each (benchmarks/README.md). One conditional per variable's own
+slots keeps each branch small enough to run in the calling thread.
 
 The split is read off the update's jaxpr, so it holds for any inner optimizer:
 

@@ -153,6 +153,7 @@ INNER = {
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
     "sgd-nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
     "lion": lambda: keras.optimizers.Lion(0.001),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
     "global-clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.5),
     "adam-agc": lambda: keras.optimizers.Adam(0.01),
     "nadam": lambda: keras.optimizers.Nadam(0.01),
