@@ -1,12 +1,13 @@
 """Keras internals the package relies on, and small helpers shared by the Keras modules.
 
 :data:`REACHES` lists every private attribute of Keras the package touches (and the JAX
-internals the JAX step reads its update's structure from), the global patch it
-installs (:func:`install_fit_hook`) and the two reads of a caller's frame
-(:func:`model_being_cloned`, :func:`loss_scale_optimizer_wrapping`), with the Keras versions
-they were checked against; ``tests/keras/test_keras_private_reaches.py`` probes each against the
-installed Keras and names the one an upgrade moved. Also: deprecation warnings for 0.5's
-arguments and attributes, op ordering in TensorFlow graphs, and host copies of variables.
+internals the JAX step reads its update's structure from, and the TensorFlow helper that keeps
+a conditional unlowered), the global patch it installs (:func:`install_fit_hook`) and the two
+reads of a caller's frame (:func:`model_being_cloned`, :func:`loss_scale_optimizer_wrapping`),
+with the versions they were checked against; ``tests/keras/test_keras_private_reaches.py``
+probes each against the installed libraries and names the one an upgrade moved. Also:
+deprecation warnings for 0.5's arguments and attributes, op ordering in TensorFlow graphs, and
+host copies of variables.
 """
 
 from __future__ import annotations
@@ -113,6 +114,14 @@ REACHES = (
         "splitting the JAX step's inner update into one conditional per variable's slots on a "
         "CPU, by what each output reads (keras/_jax_groups.py, keras/_jax_shell.py)",
     ),
+    Reach(
+        "tensorflow",
+        "tensorflow.python.ops.control_flow_switch_case._indexed_case_helper("
+        "branch_fns, default, branch_index, name, lower_using_switch_merge=False)",
+        "2.21.0",
+        "the TensorFlow step's phase conditional as a call of the taken branch for small "
+        "variables (case_as_call, from keras/_tf_shell.py)",
+    ),
 )
 
 
@@ -211,6 +220,21 @@ def apply_uncounted(optimizer: Any, grads: list[Any], variables: list[Any]) -> N
         for variable in variables:
             if variable.constraint is not None:
                 variable.assign(variable.constraint(variable))
+
+
+def case_as_call(index: Any, branches: Sequence[Callable[[], None]]) -> None:
+    """``tf.switch_case(index, branches)`` kept as one ``Case`` op that calls the taken
+    branch, not lowered into switches and merges in the enclosing graph (which makes every
+    step walk every branch's ops). Where TensorFlow no longer has the helper, the plain
+    ``tf.switch_case``: the same results."""
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops.control_flow_switch_case import _indexed_case_helper
+    except ImportError:
+        tf.switch_case(index, list(branches))
+        return
+    _indexed_case_helper(list(branches), None, index, "switch_case", lower_using_switch_merge=False)
 
 
 def warn_deprecated(what: str, instead: str, stacklevel: int = 3) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from keras import ops
 
 from gradient_accumulator.keras import _cycle
-from gradient_accumulator.keras._compat import after, applies_itself, apply_uncounted
+from gradient_accumulator.keras._compat import after, applies_itself, apply_uncounted, case_as_call
 
 _BACKEND = keras.backend.backend()
 
@@ -84,6 +84,26 @@ def _add_to(var: Any, value: Any) -> None:
     plain.assign_add(tf.cast(value, plain.dtype), read_value=False)
 
 
+# Below this many elements in the variables a micro-step folds, the phase conditional runs as a
+# call of the taken branch rather than lowered into the step's graph (see _interleaves).
+INTERLEAVE_MIN_ELEMENTS = 1 << 17
+
+
+def _interleaves(variables: Sequence[Any]) -> bool:
+    """Whether the phase conditional should be lowered into the step's graph.
+
+    TensorFlow lowers a conditional into switches and merges in the step's graph, so each
+    accumulator's fold starts as soon as its gradient is ready, while the backward pass still
+    runs on the other threads. The price: on every step the executor walks every op of every
+    branch, the boundary's inner update twice over (a last micro-step, a first and last one).
+    With small variables the overlap saves nothing and the walk costs about 5% of a step (an
+    MLP of 4.8k parameters); with a 662k-parameter MLP the overlap wins by about as much on
+    two cores. Measured in benchmarks/README.md; the crossing lies between about 100k and
+    250k elements.
+    """
+    return sum(int(np.prod(v.shape)) for v in variables) >= INTERLEAVE_MIN_ELEMENTS
+
+
 def _already_reduced(grads_and_vars: Any) -> list:
     """Stands in for a Keras optimizer's all-reduce of gradients that are reduced already."""
     return list(grads_and_vars)
@@ -137,9 +157,11 @@ class StatefulShell:
         # 0: first, 1: middle, 2: last, 3: first and last (a cycle of one micro-step, at the
         # end of an epoch).
         phase = 1 - first + last + 2 * first * last
-        tf.switch_case(
-            phase, [run(True, False), run(False, False), run(False, True), run(True, True)]
-        )
+        branches = [run(True, False), run(False, False), run(False, True), run(True, True)]
+        if _interleaves(variables):
+            tf.switch_case(phase, branches)
+        else:
+            case_as_call(phase, branches)
 
     def _tick_epoch_clock(self) -> Any:
         """One step of fit's epoch clock (:func:`_cycle.epoch_clock`): whether this step is the

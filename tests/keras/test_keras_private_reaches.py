@@ -189,6 +189,26 @@ def _jaxpr() -> None:
     assert found == [[[0], [1], [2]]]
 
 
+def _case_as_call() -> None:
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the TensorFlow step's reach")
+    import tensorflow as tf
+
+    v = tf.Variable(0.0)
+
+    @tf.function
+    def step(i):
+        _compat.case_as_call(i, [lambda: v.assign_add(1.0), lambda: v.assign_add(10.0)])
+
+    graph = step.get_concrete_function(tf.TensorSpec([], tf.int32)).graph
+    (case,) = [op for op in graph.get_operations() if op.type in ("Case", "StatelessCase")]
+    # The attribute TensorFlow's lowering pass reads: False keeps the op a call.
+    assert case.get_attr("_lower_using_switch_merge") is False
+    step(tf.constant(1))
+    step(tf.constant(0))
+    assert float(v.numpy()) == 11.0
+
+
 PROBES: dict[str, Callable[[], None]] = dict(
     zip(
         [r.target for r in _compat.REACHES],
@@ -204,6 +224,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
             _loss_scale_frame,
             _apply_parts,
             _jaxpr,
+            _case_as_call,
         ],
     )
 )
@@ -211,7 +232,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
 
 def test_every_reach_has_a_probe():
     assert len(PROBES) == len(_compat.REACHES)
-    assert all(r.library in ("keras", "jax") for r in _compat.REACHES)
+    assert all(r.library in ("keras", "jax", "tensorflow") for r in _compat.REACHES)
 
 
 @pytest.mark.parametrize("reach", _compat.REACHES, ids=lambda r: r.target.split(" ")[0])

@@ -1,7 +1,8 @@
 """What one micro-step costs, counted rather than timed: the ops of TensorFlow's step graph and the
 Keras variable writes of the torch backend's eager path (benchmarks/keras_step.py times them).
 
-TensorFlow without a strategy: one conditional picks the micro-step's phase, and a middle
+TensorFlow without a strategy: one conditional picks the micro-step's phase (a call of the taken
+branch for small variables, lowered into the step's graph for large ones), and a middle
 micro-step adds each weighted gradient in place in one op (no multiply, no select), with the
 same rounding as ``acc + w·g``. The torch backend's core path mirrors the cycle's counters into
 the variables in place, with no Keras ``assign`` per micro-step. JAX run eagerly: a warm step
@@ -59,6 +60,67 @@ def test_tf_step_is_one_phase_conditional_with_in_place_adds():
     assert middle.count("ResourceApplyGradientDescent") == len(SHAPES)
     for op in ("Mul", "SelectV2", "If", "Case"):
         assert op not in middle, (op, middle)
+
+
+def _phase_case(opt, variables):
+    """The phase conditional of ``opt``'s step, traced (not run) on zero gradients."""
+    import tensorflow as tf
+
+    grads = [tf.zeros(v.shape) for v in variables]
+
+    @tf.function
+    def step():
+        opt.apply(grads, variables)
+
+    graph = step.get_concrete_function().graph
+    (case,) = [op for op in graph.get_operations() if op.type == "Case"]
+    return case
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+def test_tf_phase_conditional_is_a_call_for_small_variables(monkeypatch):
+    """Below ``INTERLEAVE_MIN_ELEMENTS`` the phase conditional stays one op that calls the
+    taken branch; at or above it TensorFlow lowers it into the step's graph."""
+    from gradient_accumulator.keras import _tf_shell
+
+    assert _phase_case(*_setup()).get_attr("_lower_using_switch_merge") is False
+    monkeypatch.setattr(_tf_shell, "INTERLEAVE_MIN_ELEMENTS", 18)  # the two variables' 18
+    assert _phase_case(*_setup()).get_attr("_lower_using_switch_merge") is True
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+@pytest.mark.parametrize("on_nonfinite", ["skip", "apply"])
+def test_tf_call_and_lowered_phase_conditionals_train_bit_for_bit(monkeypatch, on_nonfinite):
+    """Three epochs of ``fit`` (k = 3; 7 batches an epoch, so each ends with a cycle of one
+    micro-batch) with Adam, the phase conditional as a call and lowered: the same weights and
+    optimizer state, bit for bit."""
+    from gradient_accumulator.keras import _tf_shell
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype("float32")
+    y = rng.normal(size=(40, 2)).astype("float32")
+    results = []
+    for threshold in (1 << 40, 0):  # a call, then lowered
+        monkeypatch.setattr(_tf_shell, "INTERLEAVE_MIN_ELEMENTS", threshold)
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        outputs = keras.layers.Dense(2)(keras.layers.Dense(4, activation="relu")(inputs))
+        model = keras.Model(inputs, outputs)
+        opt = GradientAccumulateOptimizer(
+            keras.optimizers.Adam(0.01), accum_steps=3, on_nonfinite=on_nonfinite
+        )
+        model.compile(opt, loss="mse")
+        start = [w.copy() for w in model.get_weights()]
+        model.fit(x, y, batch_size=6, epochs=3, shuffle=False, verbose=0)
+        results.append([v.numpy() for v in model.weights] + [v.numpy() for v in opt.variables])
+        case = _phase_case(opt, list(model.trainable_variables))
+        assert case.get_attr("_lower_using_switch_merge") is (threshold == 0)
+        assert int(opt.optimizer.iterations.numpy()) == 9  # 3 cycles an epoch, the last short
+        assert max(float(np.abs(a - b).max()) for a, b in zip(start, model.get_weights())) > 1e-3
+    call, lowered = results
+    assert len(call) == len(lowered)
+    for a, b in zip(call, lowered):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's in-place weighted add")
