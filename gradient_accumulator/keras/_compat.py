@@ -120,7 +120,7 @@ REACHES = (
         "branch_fns, default, branch_index, name, lower_using_switch_merge=False)",
         "2.21.0",
         "the TensorFlow step's phase conditional as a call of the taken branch for small "
-        "variables (case_as_call, from keras/_tf_shell.py)",
+        "variables (switch_case, from keras/_tf_shell.py)",
     ),
 )
 
@@ -222,16 +222,18 @@ def apply_uncounted(optimizer: Any, grads: list[Any], variables: list[Any]) -> N
                 variable.assign(variable.constraint(variable))
 
 
-def case_as_call(index: Any, branches: Sequence[Callable[[], None]]) -> None:
-    """``tf.switch_case(index, branches)`` kept as one ``Case`` op that calls the taken
-    branch, not lowered into switches and merges in the enclosing graph (which makes every
-    step walk every branch's ops). Where TensorFlow no longer has the helper, the plain
-    ``tf.switch_case``: the same results."""
+def switch_case(index: Any, branches: Sequence[Callable[[], None]], lowered: bool) -> None:
+    """``tf.switch_case(index, branches)``; unless ``lowered``, kept as one ``Case`` op that
+    calls the taken branch instead of lowered into switches and merges in the enclosing graph
+    (which makes every step walk every branch's ops). Where TensorFlow no longer has the
+    helper, the lowered form: the same results."""
     import tensorflow as tf
 
     try:
         from tensorflow.python.ops.control_flow_switch_case import _indexed_case_helper
     except ImportError:
+        lowered = True
+    if lowered:
         tf.switch_case(index, list(branches))
         return
     _indexed_case_helper(list(branches), None, index, "switch_case", lower_using_switch_merge=False)

@@ -10,6 +10,7 @@ replicas' verdicts and, with clipping, their accumulators are reduced once per c
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from keras import ops
 
 from gradient_accumulator.keras import _cycle
-from gradient_accumulator.keras._compat import after, applies_itself, apply_uncounted, case_as_call
+from gradient_accumulator.keras._compat import after, applies_itself, apply_uncounted, switch_case
 
 _BACKEND = keras.backend.backend()
 
@@ -101,7 +102,7 @@ def _interleaves(variables: Sequence[Any]) -> bool:
     two cores. Measured in benchmarks/README.md; the crossing lies between about 100k and
     250k elements.
     """
-    return sum(int(np.prod(v.shape)) for v in variables) >= INTERLEAVE_MIN_ELEMENTS
+    return sum(math.prod(v.shape) for v in variables) >= INTERLEAVE_MIN_ELEMENTS
 
 
 def _already_reduced(grads_and_vars: Any) -> list:
@@ -147,8 +148,6 @@ class StatefulShell:
         if k == 1:  # every micro-step is a whole cycle
             run(True, True)()
             return
-        import tensorflow as tf
-
         step = ops.cast(self._micro_step.value, "int32")
         first = ops.cast(ops.equal(step, 0), "int32")
         # A micro-step counter at or past the cycle's length (after accum_steps was lowered)
@@ -158,10 +157,7 @@ class StatefulShell:
         # end of an epoch).
         phase = 1 - first + last + 2 * first * last
         branches = [run(True, False), run(False, False), run(False, True), run(True, True)]
-        if _interleaves(variables):
-            tf.switch_case(phase, branches)
-        else:
-            case_as_call(phase, branches)
+        switch_case(phase, branches, lowered=_interleaves(variables))
 
     def _tick_epoch_clock(self) -> Any:
         """One step of fit's epoch clock (:func:`_cycle.epoch_clock`): whether this step is the

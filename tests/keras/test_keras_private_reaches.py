@@ -189,7 +189,7 @@ def _jaxpr() -> None:
     assert found == [[[0], [1], [2]]]
 
 
-def _case_as_call() -> None:
+def _switch_case() -> None:
     if keras.backend.backend() != "tensorflow":
         pytest.skip("the TensorFlow step's reach")
     import tensorflow as tf
@@ -198,7 +198,9 @@ def _case_as_call() -> None:
 
     @tf.function
     def step(i):
-        _compat.case_as_call(i, [lambda: v.assign_add(1.0), lambda: v.assign_add(10.0)])
+        _compat.switch_case(
+            i, [lambda: v.assign_add(1.0), lambda: v.assign_add(10.0)], lowered=False
+        )
 
     graph = step.get_concrete_function(tf.TensorSpec([], tf.int32)).graph
     (case,) = [op for op in graph.get_operations() if op.type in ("Case", "StatelessCase")]
@@ -224,7 +226,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
             _loss_scale_frame,
             _apply_parts,
             _jaxpr,
-            _case_as_call,
+            _switch_case,
         ],
     )
 )
