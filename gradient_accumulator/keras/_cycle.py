@@ -38,6 +38,7 @@ __all__ = [
     "dense",
     "drops_nonfinite",
     "epoch_clock",
+    "epoch_countdown",
     "fold",
     "grad_scale",
     "grown_scale",
@@ -298,6 +299,15 @@ def epoch_clock(epoch_steps: Any, steps_left: Any) -> tuple[Any, Any]:
     period = ops.maximum(epoch_steps, 1)
     last = ops.logical_and(on, ops.equal(ops.mod(steps_left - 1, period), 0))
     return last, ops.maximum(steps_left - 1, 0)
+
+
+def epoch_countdown(steps_left: Any) -> tuple[Any, Any]:
+    """:func:`epoch_clock` for a clock that counts the steps left in the current epoch only
+    (0: no clock). TensorFlow's is one: its variables take a write between two steps, so the
+    epoch-end callback sets the count again for the next epoch, and a step pays one read and
+    three ops for its clock where counting the whole fit's steps takes four reads and eight
+    ops (``benchmarks/README.md``)."""
+    return ops.equal(steps_left, 1), ops.maximum(steps_left - 1, 0)
 
 
 def drops_nonfinite(options: Options) -> bool:

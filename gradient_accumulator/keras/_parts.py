@@ -254,6 +254,7 @@ class CycleParts:
         """TensorFlow: the epoch's clock (``_packed.EPOCH``), two int variables that no file
         saves; the torch backend, which runs eagerly, flushes at the epoch's end instead (None).
         On JAX the clock is packed with the other counters."""
+        self._clock_period, self._clock_after = -1, 0  # TensorFlow: see _set_epoch_clock
         for name in _packed.EPOCH:
             clock = None
             if _BACKEND == "tensorflow":
@@ -278,9 +279,17 @@ class CycleParts:
                     self._ints.value, self._epoch_steps.index, np.array([epoch_steps, steps_left])
                 )
             )
-        else:
-            self._epoch_steps.assign(epoch_steps)
-            self._steps_left.assign(steps_left)
+            return True
+        # TensorFlow's step counts down the current epoch's steps only
+        # (_cycle.epoch_countdown); the fit's steps after it are kept here, and the epoch-end
+        # callback, finding the count run out, sets it again. The backing variable's own
+        # assign: Keras's converts and checks first, at three times the cost of the write.
+        now = (steps_left - 1) % epoch_steps + 1 if steps_left > 0 and epoch_steps > 0 else 0
+        self._clock_after = steps_left - now if now else 0
+        if epoch_steps != self._clock_period:
+            self._epoch_steps.value.assign(epoch_steps, read_value=False)
+            self._clock_period = epoch_steps
+        self._steps_left.value.assign(now, read_value=False)
         return True
 
     def _cycle_counters(self) -> dict[str, int]:
@@ -290,7 +299,10 @@ class CycleParts:
             return dict(zip(_packed.INTS, np.asarray(self._ints.value).tolist()))
         out = {name: int(to_numpy(getattr(self, f"_{name}"))) for name in ("micro_step", "skipped")}
         clock = self._steps_left
-        out["steps_left"] = 0 if clock is None else int(to_numpy(clock))
+        now = 0 if clock is None else int(to_numpy(clock))
+        # TensorFlow's clock counts the current epoch (see _set_epoch_clock): 0 once it ran
+        # out, so the epoch-end callback sets it again.
+        out["steps_left"] = now + self._clock_after if now else 0
         return out
 
     def _build_flat_accumulators(self, var_list: list[Any]) -> list[Any]:

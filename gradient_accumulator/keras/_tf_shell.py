@@ -160,9 +160,11 @@ class StatefulShell:
         switch_case(phase, branches, lowered=_interleaves(variables))
 
     def _tick_epoch_clock(self) -> Any:
-        """One step of fit's epoch clock (:func:`_cycle.epoch_clock`): whether this step is the
-        epoch's last (a boolean tensor); the counter moves on."""
-        last, after = _cycle.epoch_clock(self._epoch_steps.value, self._steps_left.value)
+        """One step of fit's epoch clock (:func:`_cycle.epoch_countdown`: the steps left in
+        the current epoch): whether this step is the epoch's last (a boolean tensor); the
+        count moves on."""
+        # One read of the counter (the variable itself would be read at each use).
+        last, after = _cycle.epoch_countdown(self._steps_left.value.read_value())
         self._steps_left.assign(after)
         return last
 

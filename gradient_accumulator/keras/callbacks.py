@@ -165,8 +165,9 @@ class FlushAccumulation(keras.callbacks.Callback):
 
     def _wind_clock(self, opt: GradientAccumulateOptimizer, left_now: int) -> None:
         """At the end of an epoch: set the clock again where it is not where a whole epoch
-        leaves it (an epoch cut short, the int32 range), or stop it (``leftover`` set to
-        ``"carry"`` during ``fit``)."""
+        leaves it (an epoch cut short, the int32 range; on TensorFlow, whose clock counts one
+        epoch, at every epoch but the last), or stop it (``leftover`` set to ``"carry"`` during
+        ``fit``)."""
         self._left = 0
         if opt.leftover == "apply":
             self._left = self._steps_left(self._steps, self._epoch + 1)

@@ -62,6 +62,38 @@ def test_tf_step_is_one_phase_conditional_with_in_place_adds():
         assert op not in middle, (op, middle)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+def test_tf_epoch_clock_is_one_read_and_a_countdown():
+    """The epoch clock of a TensorFlow step counts down the current epoch: one read of its
+    counter, no read of the epoch's length, no modulo (the whole fit's count took three reads
+    of the counter, one of the length and eight ops)."""
+    import tensorflow as tf
+
+    opt, variables = _setup()
+    grads = _grads(0)
+
+    @tf.function
+    def step():
+        opt.apply(grads, variables)
+
+    concrete = step.get_concrete_function()
+    graph = concrete.graph
+    inner = {id(internal): external for external, internal in graph.captures}
+
+    def reads_of(variable):
+        handle = variable.value.handle
+        return [
+            op
+            for op in graph.get_operations()
+            if op.type == "ReadVariableOp" and inner.get(id(op.inputs[0])) is handle
+        ]
+
+    assert len(reads_of(opt._steps_left)) == 1
+    assert reads_of(opt._epoch_steps) == []
+    outer = [op.type for op in graph.get_operations()]
+    assert "FloorMod" not in outer and "LogicalAnd" not in outer
+
+
 def _phase_case(opt, variables):
     """The phase conditional of ``opt``'s step, traced (not run) on zero gradients."""
     import tensorflow as tf
