@@ -2,10 +2,11 @@
 Keras variable writes of the torch backend's eager path (benchmarks/keras_step.py times them).
 
 TensorFlow without a strategy: one conditional picks the micro-step's phase (a call of the taken
-branch for small variables, lowered into the step's graph for large ones), and a middle
-micro-step adds each weighted gradient in place in one op (no multiply, no select), with the
-same rounding as ``acc + w·g``. The torch backend's core path mirrors the cycle's counters into
-the variables in place, with no Keras ``assign`` per micro-step. JAX run eagerly: a warm step
+branch for small variables, lowered into the step's graph for large ones), a middle micro-step
+adds each weighted gradient in place in one op (no multiply, no select), with the same rounding
+as ``acc + w·g``, and fit's epoch clock is one read and a countdown. The torch backend's core
+path mirrors the cycle's counters into the variables in place, with no Keras ``assign`` per
+micro-step. JAX run eagerly: a warm step
 compiles nothing; traced, the update's conditional follows the verdict's instead of nesting in it.
 """
 
