@@ -18,7 +18,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator import _validation
 from gradient_accumulator._options import Options, check_agc_exclude
-from gradient_accumulator.keras import _cycle, _packed
+from gradient_accumulator.keras import _cycle, _packed, _tf_shell
 from gradient_accumulator.keras._compat import to_numpy, warn_deprecated
 from gradient_accumulator.keras._tf_shell import _strategy
 from gradient_accumulator.keras.agc import clip_one
@@ -282,19 +282,19 @@ class CycleParts:
             return True
         # TensorFlow's step counts down the current epoch's steps only
         # (_cycle.epoch_countdown); the fit's steps after it are kept here, and the epoch-end
-        # callback, finding the count run out, sets it again. The backing variable's own
-        # assign: Keras's converts and checks first, at three times the cost of the write.
+        # callback, finding the count run out, sets it again.
         now = (steps_left - 1) % epoch_steps + 1 if steps_left > 0 and epoch_steps > 0 else 0
         self._clock_after = steps_left - now if now else 0
         if epoch_steps != self._clock_period:
-            self._epoch_steps.value.assign(epoch_steps, read_value=False)
+            _tf_shell.write(self._epoch_steps, epoch_steps)
             self._clock_period = epoch_steps
-        self._steps_left.value.assign(now, read_value=False)
+        _tf_shell.write(self._steps_left, now)
         return True
 
     def _cycle_counters(self) -> dict[str, int]:
-        """``micro_step``, ``skipped`` and ``steps_left`` (0 without a clock) now, read from
-        the variables (on JAX in one read of the packed counters)."""
+        """``micro_step``, ``skipped`` and ``steps_left`` (0 without a clock, and on
+        TensorFlow once the current epoch's count ran out) now, read from the variables (on
+        JAX in one read of the packed counters)."""
         if _BACKEND == "jax":
             return dict(zip(_packed.INTS, np.asarray(self._ints.value).tolist()))
         out = {name: int(to_numpy(getattr(self, f"_{name}"))) for name in ("micro_step", "skipped")}

@@ -105,6 +105,16 @@ def _interleaves(variables: Sequence[Any]) -> bool:
     return sum(math.prod(v.shape) for v in variables) >= INTERLEAVE_MIN_ELEMENTS
 
 
+def write(var: Any, value: Any) -> None:
+    """``var = value`` through the ``tf.Variable`` behind ``var`` where it is a plain one
+    (Keras's ``assign`` converts and checks first: eagerly 71 µs against 26 µs)."""
+    plain = _plain(var)
+    if plain is None:
+        var.assign(value)
+        return
+    plain.assign(value, read_value=False)
+
+
 def _already_reduced(grads_and_vars: Any) -> list:
     """Stands in for a Keras optimizer's all-reduce of gradients that are reduced already."""
     return list(grads_and_vars)
@@ -163,8 +173,10 @@ class StatefulShell:
         """One step of fit's epoch clock (:func:`_cycle.epoch_countdown`: the steps left in
         the current epoch): whether this step is the epoch's last (a boolean tensor); the
         count moves on."""
+        import tensorflow as tf
+
         # One read of the counter (the variable itself would be read at each use).
-        last, after = _cycle.epoch_countdown(self._steps_left.value.read_value())
+        last, after = _cycle.epoch_countdown(tf.convert_to_tensor(self._steps_left.value))
         self._steps_left.assign(after)
         return last
 

@@ -6,8 +6,8 @@ branch for small variables, lowered into the step's graph for large ones), a mid
 adds each weighted gradient in place in one op (no multiply, no select), with the same rounding
 as ``acc + w·g``, and fit's epoch clock is one read and a countdown. The torch backend's core
 path mirrors the cycle's counters into the variables in place, with no Keras ``assign`` per
-micro-step. JAX run eagerly: a warm step
-compiles nothing; traced, the update's conditional follows the verdict's instead of nesting in it.
+micro-step. JAX run eagerly: a warm step compiles nothing; traced, the update's conditional
+follows the verdict's instead of nesting in it.
 """
 
 from __future__ import annotations
