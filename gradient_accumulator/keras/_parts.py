@@ -253,8 +253,10 @@ class CycleParts:
     def _build_epoch_clock(self) -> None:
         """TensorFlow: the epoch's clock (``_packed.EPOCH``), two int variables that no file
         saves; the torch backend, which runs eagerly, flushes at the epoch's end instead (None).
-        On JAX the clock is packed with the other counters."""
-        self._clock_period, self._clock_after = -1, 0  # TensorFlow: see _set_epoch_clock
+        On JAX the clock is packed with the other counters. TensorFlow's step reads only
+        ``steps_left`` (see :meth:`_set_epoch_clock`); ``epoch_steps`` keeps the variables'
+        layout of earlier versions."""
+        self._clock_after = 0  # TensorFlow: see _set_epoch_clock
         for name in _packed.EPOCH:
             clock = None
             if _BACKEND == "tensorflow":
@@ -285,9 +287,6 @@ class CycleParts:
         # callback, finding the count run out, sets it again.
         now = (steps_left - 1) % epoch_steps + 1 if steps_left > 0 and epoch_steps > 0 else 0
         self._clock_after = steps_left - now if now else 0
-        if epoch_steps != self._clock_period:
-            _tf_shell.write(self._epoch_steps, epoch_steps)
-            self._clock_period = epoch_steps
         _tf_shell.write(self._steps_left, now)
         return True
 
@@ -300,8 +299,6 @@ class CycleParts:
         out = {name: int(to_numpy(getattr(self, f"_{name}"))) for name in ("micro_step", "skipped")}
         clock = self._steps_left
         now = 0 if clock is None else int(to_numpy(clock))
-        # TensorFlow's clock counts the current epoch (see _set_epoch_clock): 0 once it ran
-        # out, so the epoch-end callback sets it again.
         out["steps_left"] = now + self._clock_after if now else 0
         return out
 

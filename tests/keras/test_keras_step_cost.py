@@ -36,18 +36,21 @@ def _grads(seed):
     return [keras.ops.convert_to_tensor(rng.normal(size=s).astype("float32")) for s in SHAPES]
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
-def test_tf_step_is_one_phase_conditional_with_in_place_adds():
+def _step_graph(opt, variables, grads):
+    """The graph of ``opt.apply(grads, variables)`` traced in a ``tf.function`` (not run)."""
     import tensorflow as tf
-
-    opt, variables = _setup()
-    grads = _grads(0)
 
     @tf.function
     def step():
         opt.apply(grads, variables)
 
-    graph = step.get_concrete_function().graph
+    return step.get_concrete_function().graph
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+def test_tf_step_is_one_phase_conditional_with_in_place_adds():
+    opt, variables = _setup()
+    graph = _step_graph(opt, variables, _grads(0))
     outer = [op.type for op in graph.get_operations()]
     assert outer.count("Case") == 1
     assert "SelectV2" not in outer and "If" not in outer
@@ -68,17 +71,8 @@ def test_tf_epoch_clock_is_one_read_and_a_countdown():
     """The epoch clock of a TensorFlow step counts down the current epoch: one read of its
     counter, no read of the epoch's length, no modulo (the whole fit's count took three reads
     of the counter, one of the length and eight ops)."""
-    import tensorflow as tf
-
     opt, variables = _setup()
-    grads = _grads(0)
-
-    @tf.function
-    def step():
-        opt.apply(grads, variables)
-
-    concrete = step.get_concrete_function()
-    graph = concrete.graph
+    graph = _step_graph(opt, variables, _grads(0))
     inner = {id(internal): external for external, internal in graph.captures}
 
     def reads_of(variable):
@@ -97,15 +91,8 @@ def test_tf_epoch_clock_is_one_read_and_a_countdown():
 
 def _phase_case(opt, variables):
     """The phase conditional of ``opt``'s step, traced (not run) on zero gradients."""
-    import tensorflow as tf
-
-    grads = [tf.zeros(v.shape) for v in variables]
-
-    @tf.function
-    def step():
-        opt.apply(grads, variables)
-
-    graph = step.get_concrete_function().graph
+    grads = [keras.ops.zeros(v.shape) for v in variables]
+    graph = _step_graph(opt, variables, grads)
     (case,) = [op for op in graph.get_operations() if op.type == "Case"]
     return case
 
