@@ -119,8 +119,8 @@ REACHES = (
         "tensorflow.python.ops.control_flow_switch_case._indexed_case_helper("
         "branch_fns, default, branch_index, name, lower_using_switch_merge=False)",
         "2.21.0",
-        "the TensorFlow step's phase conditional as a call of the taken branch for small "
-        "variables (switch_case, from keras/_tf_shell.py)",
+        "the TensorFlow step's boundary conditional as a call of its branch "
+        "(switch_case, from keras/_tf_shell.py)",
     ),
 )
 

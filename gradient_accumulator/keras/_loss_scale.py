@@ -205,3 +205,4 @@ def _adopted_save_own_variables(self: Any, store: Any) -> None:
 
 def _adopted_load_own_variables(self: Any, store: Any) -> None:
     _packed.load(_adopted_saved_entries(self), store, self.name)
+    self.inner_optimizer._zero_between_cycles()

@@ -387,6 +387,27 @@ class CycleParts:
         grads = self._clip_gradients(grads)
         return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
 
+    def _zero_between_cycles(self, idle: bool = False) -> None:
+        """TensorFlow: the accumulators zeroed if no cycle is pending (``idle``: known not to
+        be, after ``reset_cycle``), as after a load of a file from another backend, whose folds
+        overwrite at a cycle's first micro-step and leave the last cycle's sums behind:
+        TensorFlow's fold adds onto them."""
+        if _BACKEND != "tensorflow" or not self.built:
+            return
+        if idle or int(to_numpy(self._micro_step)) == 0:
+            for acc in self._summing_accumulators():
+                acc.assign(ops.zeros(acc.shape, "float32"))
+
+    def _summing_accumulators(self) -> list[Any]:
+        """The accumulators that hold sums: not those of ``overwrite_with_gradient`` variables,
+        which hold the cycle's running maximum (set afresh at a cycle's first gradient, read
+        by the boundary and the flush after the cycle's end, see :meth:`_overwrite_maxima`)."""
+        return [
+            acc
+            for acc, v in zip(self._accumulators, self._trainable_variables)
+            if not getattr(v, "overwrite_with_gradient", False)
+        ]
+
     def _check_weight(self, weight: Any) -> Any:
         """A micro-batch weight, checked where it is concrete (ValueError/TypeError)."""
         if self._options.reduction == "sum":

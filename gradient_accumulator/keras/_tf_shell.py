@@ -1,17 +1,18 @@
 """The stateful shell of the Keras cycle: TensorFlow graphs and replicas, eager torch off the core.
 
 Folds a micro-batch into the wrapper's variables and ends a cycle in backend ops. On TensorFlow
-without a strategy one conditional on the micro-step counter picks the cycle's phase and runs only
-that phase's ops (:meth:`StatefulShell._phased_apply`); under a ``tf.distribute`` strategy every
-micro-step folds, then the boundary runs in the cross-replica context (``merge_call``), where the
-replicas' verdicts and, with clipping, their accumulators are reduced once per cycle.
+without a strategy every micro-step adds in place onto accumulators that each cycle starts from
+zeros, and the boundary is one conditional that TensorFlow calls when the cycle ends
+(:meth:`StatefulShell._phased_apply`); under a ``tf.distribute`` strategy every micro-step
+folds, then the boundary runs in the cross-replica context (``merge_call``), where the replicas'
+verdicts and, with clipping, their accumulators are reduced once per cycle. On TensorFlow every
+end of a cycle zeroes the accumulators (:meth:`StatefulShell._zero_accumulators`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -85,26 +86,6 @@ def _add_to(var: Any, value: Any) -> None:
     plain.assign_add(tf.cast(value, plain.dtype), read_value=False)
 
 
-# Below this many elements in the variables a micro-step folds, the phase conditional runs as a
-# call of the taken branch rather than lowered into the step's graph (see _interleaves).
-INTERLEAVE_MIN_ELEMENTS = 1 << 17
-
-
-def _interleaves(variables: Sequence[Any]) -> bool:
-    """Whether the phase conditional should be lowered into the step's graph.
-
-    TensorFlow lowers a conditional into switches and merges in the step's graph, so each
-    accumulator's fold starts as soon as its gradient is ready, while the backward pass still
-    runs on the other threads. The price: on every step the executor walks every op of every
-    branch, the boundary's inner update twice over (a last micro-step, a first and last one).
-    With small variables the overlap saves nothing and the walk costs about 5% of a step (an
-    MLP of 4.8k parameters); with a 662k-parameter MLP the overlap wins by about as much on
-    two cores. Measured in benchmarks/README.md; the crossing lies between about 100k and
-    250k elements.
-    """
-    return sum(math.prod(v.shape) for v in variables) >= INTERLEAVE_MIN_ELEMENTS
-
-
 def write(var: Any, value: Any) -> None:
     """``var = value`` through the ``tf.Variable`` behind ``var`` where it is a plain one
     (Keras's ``assign`` converts and checks first: eagerly 71 µs against 26 µs)."""
@@ -134,40 +115,34 @@ class StatefulShell:
         self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
 
     def _phased_apply(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
-        """One TensorFlow micro-step without a strategy: one conditional on the micro-step
-        counter picks the cycle's phase (first, middle or last micro-step), and each branch
-        does that phase's work and nothing else.
+        """One TensorFlow micro-step without a strategy: the fold, then the boundary in a
+        conditional that TensorFlow calls when the cycle ends.
 
-        The same values as :meth:`_stateful_fold` then :meth:`_end_cycle`, with fewer ops: no
-        selects between a boundary's and a micro-step's counters, no second conditional for
-        the first micro-step's overwrite, and the weighted add in place in one pass
-        (:func:`_axpy`). On a 4.8k-parameter MLP this graph has a third of the other's ops
-        (benchmarks/README.md).
+        The fold adds each weighted gradient in place, outside any conditional, so each
+        accumulator's add starts as soon as its gradient is ready: the accumulators (and the
+        cycle's total weight and non-finite flag) are zero whenever a cycle starts, because
+        every path that ends or discards a cycle on TensorFlow zeroes them
+        (:meth:`_end_cycle`, ``reset_cycle``, a load at a cycle's start). The boundary is one
+        op that calls its branch, not lowered into the step's graph, so the micro-steps do not
+        walk its ops. The same values as :meth:`_stateful_fold` then :meth:`_end_cycle` (the
+        first micro-step's ``0 + w·g`` is ``w·g``), held to them bit for bit by
+        ``tests/cycle_table.py``; measured in benchmarks/README.md.
         """
-        k = self.accum_steps
-
-        def run(first: bool, last: bool) -> Callable[[], None]:
-            def branch() -> None:
-                self._fold_phase(grads, variables, present, first)
-                if last:
-                    self._end_cycle(True, variables, present)
-
-            return branch
-
         epoch_last = self._tick_epoch_clock()
+        step = ops.cast(self._micro_step.value, "int32")  # read before the fold moves it
+        self._fold_added(grads, variables, present, step)
+
+        def end() -> None:
+            self._end_cycle(True, variables, present)
+
+        k = self.accum_steps
         if k == 1:  # every micro-step is a whole cycle
-            run(True, True)()
+            end()
             return
-        step = ops.cast(self._micro_step.value, "int32")
-        first = ops.cast(ops.equal(step, 0), "int32")
         # A micro-step counter at or past the cycle's length (after accum_steps was lowered)
         # ends the cycle too, as does the last step of fit's epoch.
-        last = ops.cast(ops.logical_or(ops.greater_equal(step + 1, k), epoch_last), "int32")
-        # 0: first, 1: middle, 2: last, 3: first and last (a cycle of one micro-step, at the
-        # end of an epoch).
-        phase = 1 - first + last + 2 * first * last
-        branches = [run(True, False), run(False, False), run(False, True), run(True, True)]
-        switch_case(phase, branches, lowered=_interleaves(variables))
+        last = ops.logical_or(ops.greater_equal(step + 1, k), epoch_last)
+        switch_case(ops.cast(last, "int32"), [lambda: None, end], lowered=False)
 
     def _tick_epoch_clock(self) -> Any:
         """One step of fit's epoch clock (:func:`_cycle.epoch_countdown`: the steps left in
@@ -180,11 +155,11 @@ class StatefulShell:
         self._steps_left.assign(after)
         return last
 
-    def _fold_phase(
-        self, grads: list[Any], variables: list[Any], present: list[bool], first: bool
+    def _fold_added(
+        self, grads: list[Any], variables: list[Any], present: list[bool], step: Any
     ) -> None:
-        """The fold of one micro-step whose phase is known: ``first`` overwrites, a later one
-        adds (TensorFlow, no strategy)."""
+        """The fold of one micro-step as in-place adds onto a cycle that starts from zeros
+        (TensorFlow, no strategy); ``step``: the micro-step counter before this one."""
         options = self._options
         if options.reduction == "running_mean":  # its fold rescales: the generic one
             self._stateful_fold(grads, variables, present)
@@ -192,27 +167,23 @@ class StatefulShell:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         weighted = options.reduction != "sum"
         w = ops.cast(self._batch_weight.value, "float32") if weighted else 1.0
-        minus_w = ops.negative(w) if weighted and not first else None
+        minus_w = ops.negative(w) if weighted else None
         for acc, g in zip(accs, grads):
-            if first:
-                acc.assign(g * w if weighted else g)
-            elif weighted:
+            if weighted:
                 _axpy(acc, minus_w, g)
             else:
                 _add_to(acc, g)
         if self.mixed_precision:
             bad = ops.cast(ops.logical_not(_cycle.all_finite(grads)), "float32")
-            self._nonfinite.assign(bad if first else ops.maximum(self._nonfinite.value, bad))
+            self._nonfinite.assign(ops.maximum(self._nonfinite.value, bad))
         mask = ops.convert_to_tensor(np.asarray(present, "float32"))
         with after(grads[:1]):
-            if first or all(present):
+            if all(present):
                 self._seen.assign(mask)
-            else:
-                self._seen.assign(ops.maximum(self._seen.value, mask))
-            if first:
-                self._total_weight.assign(w)
-            else:
-                _add_to(self._total_weight, w)
+            else:  # the flags are not zeroed between cycles: the first micro-step sets them
+                first = ops.equal(step, 0)
+                self._seen.assign(ops.where(first, mask, ops.maximum(self._seen.value, mask)))
+            _add_to(self._total_weight, w)
             _add_to(self._micro_step, 1)
             _add_to(self._iterations, 1)
 
@@ -326,6 +297,26 @@ class StatefulShell:
         self._micro_step.assign(state.micro_step)
         self._total_weight.assign(state.total_weight)
         self._nonfinite.assign(state.nonfinite)
+        if _BACKEND == "tensorflow":
+            self._zero_accumulators(boundary, strategy is None)
+
+    def _zero_accumulators(self, boundary: Any, plain: bool = True) -> None:
+        """The accumulators back to zero where ``boundary`` holds (TensorFlow): every cycle
+        starts from zeros, as :meth:`_phased_apply`'s fold needs. ``plain``: no strategy (the
+        variables are written through their backing ``tf.Variable``)."""
+
+        def zero() -> None:
+            for acc in self._summing_accumulators():
+                value = ops.zeros(acc.shape, "float32")
+                if plain:
+                    write(acc, value)
+                else:
+                    acc.assign(value)
+
+        if boundary is True:
+            zero()
+        else:
+            ops.cond(boundary, zero, lambda: None)
 
     def _count_inner_update(self, do_update: Any, choice: tuple) -> None:
         """The inner optimizer's ``iterations += 1`` of an update run in a conditional's branch

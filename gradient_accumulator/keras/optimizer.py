@@ -331,7 +331,8 @@ class GradientAccumulateOptimizer(
         which :class:`GradientAccumulateModel` writes before each train step), ``"loss_scale"``,
         ``"growth"`` or ``"skipped"``. Built optimizers only. On JAX the scalars are packed into
         two variables, and this is a view of one element, with a variable's ``value``,
-        ``assign`` and ``numpy``."""
+        ``assign`` and ``numpy``. Discard a cycle with :meth:`reset_cycle`, not by writing
+        ``micro_step``: on TensorFlow a cycle adds onto accumulators it expects at zero."""
         if name not in _SCALARS:
             raise ValueError(f"name must be one of {_SCALARS}, got {name!r}")
         if not self.built:
@@ -344,6 +345,7 @@ class GradientAccumulateOptimizer(
             self._micro_step.assign(0)
             self._total_weight.assign(0.0)
             self._nonfinite.assign(0.0)
+            self._zero_between_cycles(idle=True)
 
     def save_own_variables(self, store: Any) -> None:
         """Keras's saving: the state in one layout on every backend (see ``_packed``)."""
@@ -352,6 +354,7 @@ class GradientAccumulateOptimizer(
     def load_own_variables(self, store: Any) -> None:
         """Keras's loading, from files of any backend and of versions before the packing."""
         _packed.load(_packed.saved_entries(self), store, self.name)
+        self._zero_between_cycles()
 
     # -------------------------------------------------------------------------------- build
 
