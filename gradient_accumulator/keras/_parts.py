@@ -388,15 +388,17 @@ class CycleParts:
         return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
 
     def _zero_between_cycles(self, idle: bool = False) -> None:
-        """TensorFlow: the accumulators zeroed if no cycle is pending (``idle``: known not to
-        be, after ``reset_cycle``), as after a load of a file from another backend, whose folds
-        overwrite at a cycle's first micro-step and leave the last cycle's sums behind:
-        TensorFlow's fold adds onto them."""
+        """TensorFlow: the accumulators (and the cycle's total weight and non-finite flag)
+        zeroed if no cycle is pending (``idle``: known not to be, after ``reset_cycle``), as
+        after a load of a file from another backend, whose folds overwrite at a cycle's first
+        micro-step and leave the last cycle's sums behind: TensorFlow's fold adds onto them."""
         if _BACKEND != "tensorflow" or not self.built:
             return
         if idle or int(to_numpy(self._micro_step)) == 0:
             for acc in self._summing_accumulators():
                 acc.assign(ops.zeros(acc.shape, "float32"))
+            self._total_weight.assign(0.0)
+            self._nonfinite.assign(0.0)
 
     def _summing_accumulators(self) -> list[Any]:
         """The accumulators that hold sums: not those of ``overwrite_with_gradient`` variables,

@@ -145,10 +145,9 @@ def test_a_loaded_file_with_the_last_cycles_sums_at_micro_step_zero():
     opt, variables = _fresh()
     _apply(opt, variables, 0)
     _apply(opt, variables, 1)
-    # Such a file, written here: sums pending, the micro-step at 0 (reset_cycle would zero
-    # the sums; the counter is written directly, as a file would hold it).
+    # Such a file, written here: sums and their weight left, the micro-step at 0 (reset_cycle
+    # would zero them; the counter is written directly, as a file would hold it).
     opt.counter("micro_step").assign(0)
-    opt.counter("total_weight").assign(0.0)
     assert any(a.any() for a in _accumulators(opt))
     store = {}
     opt.save_own_variables(store)
