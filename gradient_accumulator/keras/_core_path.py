@@ -180,10 +180,12 @@ class CorePath:
             return
         s = self.state
         micro_step = int(s.micro_step.value.item())
+        # Between cycles (micro-step 0) nothing of the last cycle counts: a file may still hold
+        # its weight, flag or seen flags.
         position = {
             "micro_step": micro_step,
-            "total_weight": float(s.total_weight.value.item()),
-            "nonfinite": bool(s.nonfinite.value.item() > 0),
+            "total_weight": float(s.total_weight.value.item()) if micro_step > 0 else 0.0,
+            "nonfinite": micro_step > 0 and bool(s.nonfinite.value.item() > 0),
             "seen": [micro_step > 0 and f > 0 for f in s.seen.value.tolist()],
         }
         self.cycle.load_state(position)
