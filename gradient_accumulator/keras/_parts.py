@@ -395,8 +395,7 @@ class CycleParts:
         if _BACKEND != "tensorflow" or not self.built:
             return
         if idle or int(to_numpy(self._micro_step)) == 0:
-            for acc in self._summing_accumulators():
-                acc.assign(ops.zeros(acc.shape, "float32"))
+            self._zero_accumulators(True, plain=self._build_strategy is None)
             self._total_weight.assign(0.0)
             self._nonfinite.assign(0.0)
 

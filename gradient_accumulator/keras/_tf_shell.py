@@ -3,7 +3,7 @@
 Folds a micro-batch into the wrapper's variables and ends a cycle in backend ops. On TensorFlow
 without a strategy every micro-step adds in place onto accumulators that each cycle starts from
 zeros, and the boundary is one conditional that TensorFlow calls when the cycle ends
-(:meth:`StatefulShell._phased_apply`); under a ``tf.distribute`` strategy every micro-step
+(:meth:`StatefulShell._in_place_apply`); under a ``tf.distribute`` strategy every micro-step
 folds, then the boundary runs in the cross-replica context (``merge_call``), where the replicas'
 verdicts and, with clipping, their accumulators are reduced once per cycle. On TensorFlow every
 end of a cycle zeroes the accumulators (:meth:`StatefulShell._zero_accumulators`).
@@ -108,13 +108,13 @@ class StatefulShell:
         present = [g is not None for g in grads]
         grads = _cycle.dense(grads, variables)
         if _BACKEND == "tensorflow" and _strategy() is None:
-            self._phased_apply(grads, variables, present)
+            self._in_place_apply(grads, variables, present)
             return
         self._stateful_fold(grads, variables, present)
         # Every op below reads a counter written after the batch, so it is ordered after it.
         self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
 
-    def _phased_apply(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
+    def _in_place_apply(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
         """One TensorFlow micro-step without a strategy: the fold, then the boundary in a
         conditional that TensorFlow calls when the cycle ends.
 
@@ -302,7 +302,7 @@ class StatefulShell:
 
     def _zero_accumulators(self, boundary: Any, plain: bool = True) -> None:
         """The accumulators back to zero where ``boundary`` holds (TensorFlow): every cycle
-        starts from zeros, as :meth:`_phased_apply`'s fold needs. ``plain``: no strategy (the
+        starts from zeros, as :meth:`_in_place_apply`'s fold needs. ``plain``: no strategy (the
         variables are written through their backing ``tf.Variable``)."""
 
         def zero() -> None:
