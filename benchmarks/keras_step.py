@@ -21,13 +21,16 @@ shows: the ratio of each accumulation to Keras's built-in one, per epoch, in wal
 process's CPU time (all threads; steadier than wall time on a shared machine). Before timing, each
 accumulating run's weights after one epoch are compared with the built-in accumulation's (same
 data, Adam, same k): the cross-check column shows max|Δw| / max|w| (large for plain fit, which
-updates every batch).
+updates every batch). Ours checks each cycle's result for NaN and Inf by default
+(``on_nonfinite="skip"``), which Keras's built-in accumulation does not; ``--on-nonfinite apply``
+times ours without the check, the same work as the built-in's.
 
 Usage:
     python benchmarks/keras_step.py                       # tensorflow, jax and torch
     python benchmarks/keras_step.py --backends jax --small
     python benchmarks/keras_step.py --json results.json
     python benchmarks/keras_step.py --epoch-only          # the per-epoch table alone
+    python benchmarks/keras_step.py --on-nonfinite apply  # ours without the non-finite check
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def run_backend(args: argparse.Namespace) -> dict:
         return inputs, keras.layers.Dense(10)(h)
 
     def build(kind: str):
-        return compiled(keras, kind, k, *layers())
+        return compiled(keras, kind, k, *layers(), args.on_nonfinite)
 
     labels = {
         "plain": "plain fit (update every batch)",
@@ -155,39 +158,44 @@ def run_backend(args: argparse.Namespace) -> dict:
     )
 
 
-def adam(keras, kind: str, k: int):
+def adam(keras, kind: str, k: int, on_nonfinite: str = "skip"):
     """Adam as each implementation runs it: ``"plain"``, Keras's ``"builtin"`` accumulation
-    over ``k`` micro-batches, or ours (``"optimizer"``)."""
+    over ``k`` micro-batches, or ours (``"optimizer"``, with ``on_nonfinite``)."""
     from gradient_accumulator.keras import GradientAccumulateOptimizer
 
     if kind == "plain":
         return keras.optimizers.Adam(1e-3)
     if kind == "builtin":
         return keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
-    return GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=k)
+    return GradientAccumulateOptimizer(
+        keras.optimizers.Adam(1e-3), accum_steps=k, on_nonfinite=on_nonfinite
+    )
 
 
-def small_model(keras, kind: str, k: int):
+def small_model(keras, kind: str, k: int, on_nonfinite: str = "skip"):
     """The digits-sized MLP (64 → 64 → 10) compiled for ``kind`` (see :func:`compiled`), from
     the same initial weights."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     outputs = keras.layers.Dense(10)(keras.layers.Dense(64, activation="relu")(inputs))
-    return compiled(keras, kind, k, inputs, outputs)
+    return compiled(keras, kind, k, inputs, outputs, on_nonfinite)
 
 
-def compiled(keras, kind: str, k: int, inputs, outputs):
+def compiled(keras, kind: str, k: int, inputs, outputs, on_nonfinite: str = "skip"):
     """The model from ``inputs`` to ``outputs`` compiled for ``kind``: with :func:`adam`'s
-    optimizer, or ``"model"``: a :class:`GradientAccumulateModel` over plain Adam."""
+    optimizer, or ``"model"``: a :class:`GradientAccumulateModel` over plain Adam (ours with
+    ``on_nonfinite``)."""
     from gradient_accumulator.keras import GradientAccumulateModel
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if kind == "model":
-        model = GradientAccumulateModel(accum_steps=k, inputs=inputs, outputs=outputs)
+        model = GradientAccumulateModel(
+            accum_steps=k, on_nonfinite=on_nonfinite, inputs=inputs, outputs=outputs
+        )
         model.compile(keras.optimizers.Adam(1e-3), loss=loss)
         return model
     model = keras.Model(inputs, outputs)
-    model.compile(adam(keras, kind, k), loss=loss)
+    model.compile(adam(keras, kind, k, on_nonfinite), loss=loss)
     return model
 
 
@@ -196,7 +204,7 @@ def build_small(keras, args):
     k = args.epoch_accum_steps
 
     def build(kind: str):
-        return small_model(keras, kind, k)
+        return small_model(keras, kind, k, args.on_nonfinite)
 
     return {
         kind: (label, build(kind))
@@ -256,6 +264,13 @@ def main() -> int:
         help="JAX: share one flat variable among accumulators of at most this many elements "
         "(the package's FLAT_MAX_ELEMENTS, 4096; -1: one variable each)",
     )
+    p.add_argument(
+        "--on-nonfinite",
+        default="skip",
+        choices=("skip", "raise", "apply"),
+        help="our wrappers' on_nonfinite (default skip, theirs; apply: no check, as Keras's "
+        "built-in accumulation makes none)",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -272,7 +287,8 @@ def main() -> int:
     )
     print(
         f"micro-batch {args.batch}, k={args.accum_steps}, MLP {args.features}→"
-        f"{args.width}×{args.depth}→10, Adam; {args.repeats} repeats of one epoch each"
+        f"{args.width}×{args.depth}→10, Adam; {args.repeats} repeats of one epoch each; "
+        f"ours with on_nonfinite={args.on_nonfinite!r}"
     )
     results = []
     child, skip = [], False  # the same options, less --backends (and its value)
