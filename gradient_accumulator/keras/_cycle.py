@@ -79,7 +79,8 @@ class CycleState(NamedTuple):
 
 class CycleEnd(NamedTuple):
     """What :func:`boundary` returns: the next ``state``; ``scale``, the factor turning the
-    accumulators into the cycle's gradient (:func:`grad_scale`); ``do_update``, whether the
+    accumulators into the cycle's gradient (:func:`grad_scale`; None where the caller gave
+    that gradient, ``scaled``); ``do_update``, whether the
     inner optimizer takes that gradient now; ``skipped``, whether the cycle ends without an
     update because it is non-finite (the loss scaler's skip or ``on_nonfinite``'s drop).
     ``do_update`` and ``skipped`` are Python booleans where they are known without a tensor."""
@@ -210,12 +211,20 @@ def fold(
 
 
 def fold_in_place(
-    accs: list[Any], grads: list[Any], micro_step: Any, batch_weight: Any, options: Options
+    accs: list[Any],
+    grads: list[Any],
+    micro_step: Any,
+    batch_weight: Any,
+    options: Options,
+    *,
+    from_zeros: bool = False,
 ) -> None:
     """:func:`fold`'s accumulator values written into the variables ``accs`` for ``"mean"`` and
     ``"sum"``: an overwrite on a cycle's first micro-step, an in-place add after it. A select
     over both candidates costs two more passes over every gradient (TensorFlow does not fuse
-    them on the CPU)."""
+    them on the CPU). ``from_zeros``: every cycle starts from zeroed accumulators (TensorFlow
+    zeroes them wherever a cycle ends or is discarded), so every micro-step adds, with no
+    conditional."""
     if options.reduction == "running_mean":
         raise ValueError("fold_in_place folds 'mean' and 'sum' only")
     w = ops.cast(batch_weight, "float32")
@@ -229,7 +238,10 @@ def fold_in_place(
         for acc, t in zip(accs, terms):
             acc.assign_add(t)
 
-    ops.cond(ops.equal(micro_step, 0), overwrite, add)
+    if from_zeros:
+        add()
+    else:
+        ops.cond(ops.equal(micro_step, 0), overwrite, add)
 
 
 def grad_scale(
@@ -360,25 +372,37 @@ def boundary(
     growth; a non-finite one halves the loss scale (``mixed_precision``) or is dropped and
     counted (``on_nonfinite``). Then the micro-step, total weight and non-finite flag restart.
     ``accs`` may be variables: they are read only where the check runs. ``scaled``: ``accs``
-    are the cycle's gradient already (the accumulators times the returned ``scale``).
+    are the cycle's gradient already (the accumulators times the scale, which the caller
+    holds: it is not computed again, and the returned ``scale`` is None).
     """
-    scale = grad_scale(state.total_weight, state.loss_scale, options, static_scale)
+    scale = None
+    if not scaled:
+        scale = grad_scale(state.total_weight, state.loss_scale, options, static_scale)
     drops = drops_nonfinite(options)
     verdict = state.nonfinite
-    if drops or check_result:
 
-        def measured() -> Any:
-            result = list(accs) if scaled else [a * scale for a in accs]
-            return ops.cast(ops.logical_not(all_finite(result)), "float32")
+    def finite() -> Any:
+        return all_finite(list(accs) if scaled else [a * scale for a in accs])
 
-        verdict = (
-            measured()
-            if at is True
-            else ops.cond(at, measured, lambda: ops.convert_to_tensor(0.0, "float32"))
-        )
-    if agree is not None:
-        verdict = agree(at, verdict)
-    do_update, skipped = decide(at, verdict, options)
+    if (drops or check_result) and at is True and agree is None:
+        # The update waits for this verdict: it is used as the check gives it, a boolean,
+        # with no conversion between the check and the update's conditional.
+        do_update = finite()
+        skipped = ops.logical_not(do_update)
+    else:
+        if drops or check_result:
+
+            def measured() -> Any:
+                return ops.cast(ops.logical_not(finite()), "float32")
+
+            verdict = (
+                measured()
+                if at is True
+                else ops.cond(at, measured, lambda: ops.convert_to_tensor(0.0, "float32"))
+            )
+        if agree is not None:
+            verdict = agree(at, verdict)
+        do_update, skipped = decide(at, verdict, options)
     loss_scale, growth, dropped = state.loss_scale, state.growth, state.skipped
     if options.mixed_precision:
         grown, counted = grown_scale(state.loss_scale, state.growth, options)
