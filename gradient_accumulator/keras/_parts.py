@@ -389,13 +389,16 @@ class CycleParts:
 
     def _zero_between_cycles(self, idle: bool = False) -> None:
         """TensorFlow: the accumulators (and the cycle's total weight and non-finite flag)
-        zeroed if no cycle is pending (``idle``: known not to be, after ``reset_cycle``), as
-        after a load of a file from another backend, whose folds overwrite at a cycle's first
-        micro-step and leave the last cycle's sums behind: TensorFlow's fold adds onto them."""
+        zeroed if no cycle is pending, as after a load of a file from another backend, whose
+        folds overwrite at a cycle's first micro-step and leave the last cycle's sums behind:
+        TensorFlow's fold adds onto them. ``idle``: no cycle is pending and the counters are
+        zeroed already (``reset_cycle``): the accumulators only."""
         if _BACKEND != "tensorflow" or not self.built:
             return
-        if idle or int(to_numpy(self._micro_step)) == 0:
-            self._zero_accumulators(True, plain=self._build_strategy is None)
+        if not idle and int(to_numpy(self._micro_step)) != 0:
+            return
+        self._zero_accumulators(True, plain=self._build_strategy is None)
+        if not idle:
             self._total_weight.assign(0.0)
             self._nonfinite.assign(0.0)
 
@@ -578,7 +581,12 @@ class CycleParts:
             trainable_variables = self._trainable_variables
             grads = [by_id.get(id(v)) for v in trainable_variables]
         self._note_trace(next((g for g in grads if g is not None), None))
-        if weight is not None:
+        # TensorFlow without a strategy folds the weight as a tensor of the step: this call's,
+        # or the batch size fit's step hands over (callbacks.weighing); else the counter's.
+        direct = _BACKEND == "tensorflow" and _strategy() is None
+        if weight is None and direct:
+            weight = self.__dict__.get("_step_weight")
+        if weight is not None and not direct:
             self._batch_weight.assign(weight)
         overwrite = self._overwrite_maxima(grads, self._micro_step.value, self._seen.value)
         core_path = _BACKEND == "torch" and not overwrite and self._core_enabled()
@@ -587,7 +595,7 @@ class CycleParts:
         elif core_path:
             self._core().apply(grads)  # reports a dropped cycle itself
         else:
-            self._stateful_apply(grads, trainable_variables)
+            self._stateful_apply(grads, trainable_variables, weight if direct else None)
         if overwrite and _BACKEND != "jax":  # the JAX path does this in stateless_apply
             boundary = ops.equal(self._micro_step, 0)
             seen = self._seen.value
@@ -596,7 +604,7 @@ class CycleParts:
                 write = ops.logical_and(boundary, ops.greater(seen[i], 0.0))
                 var.assign(ops.where(write, ops.cast(maximum, var.dtype), var))
                 acc.assign(maximum)
-        if weight is not None:
+        if weight is not None and not direct:
             self._batch_weight.assign(1.0)
         if self._drops_nonfinite() and not core_path and self._eager():
             self.report_nonfinite()

@@ -4,9 +4,11 @@ Folds a micro-batch into the wrapper's variables and ends a cycle in backend ops
 without a strategy every micro-step adds in place onto accumulators that each cycle starts from
 zeros, and the boundary is one conditional that TensorFlow calls when the cycle ends
 (:meth:`StatefulShell._in_place_apply`); under a ``tf.distribute`` strategy every micro-step
-folds, then the boundary runs in the cross-replica context (``merge_call``), where the replicas'
-verdicts and, with clipping, their accumulators are reduced once per cycle. On TensorFlow every
-end of a cycle zeroes the accumulators (:meth:`StatefulShell._zero_accumulators`).
+adds in place too, then the boundary runs in the cross-replica context (``merge_call``), where
+the replicas' verdicts and, with clipping, their accumulators are reduced once per cycle. On
+TensorFlow every end of a cycle zeroes the accumulators
+(:meth:`StatefulShell._zero_accumulators`). On the torch backend off the core, a cycle's first
+micro-step overwrites them instead.
 """
 
 from __future__ import annotations
@@ -104,17 +106,23 @@ def _already_reduced(grads_and_vars: Any) -> list:
 class StatefulShell:
     """Mixin of GradientAccumulateOptimizer: the stateful fold and boundary."""
 
-    def _stateful_apply(self, grads: list[Any], variables: list[Any]) -> None:
+    def _stateful_apply(
+        self, grads: list[Any], variables: list[Any], weight: Any | None = None
+    ) -> None:
+        """One micro-step of the stateful paths. ``weight``: the micro-batch's weight as a
+        tensor or number (TensorFlow without a strategy); None: ``counter("batch_weight")``."""
         present = [g is not None for g in grads]
         grads = _cycle.dense(grads, variables)
         if _BACKEND == "tensorflow" and _strategy() is None:
-            self._in_place_apply(grads, variables, present)
+            self._in_place_apply(grads, variables, present, weight)
             return
-        self._stateful_fold(grads, variables, present)
+        self._stateful_fold(grads, variables, present, weight)
         # Every op below reads a counter written after the batch, so it is ordered after it.
         self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
 
-    def _in_place_apply(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
+    def _in_place_apply(
+        self, grads: list[Any], variables: list[Any], present: list[bool], weight: Any
+    ) -> None:
         """One TensorFlow micro-step without a strategy: the fold, then the boundary in a
         conditional that TensorFlow calls when the cycle ends.
 
@@ -130,7 +138,7 @@ class StatefulShell:
         """
         epoch_last = self._tick_epoch_clock()
         step = ops.cast(self._micro_step.value, "int32")  # read before the fold moves it
-        self._fold_added(grads, variables, present, step)
+        self._fold_added(grads, variables, present, step, weight)
 
         def end() -> None:
             self._end_cycle(True, variables, present)
@@ -156,17 +164,20 @@ class StatefulShell:
         return last
 
     def _fold_added(
-        self, grads: list[Any], variables: list[Any], present: list[bool], step: Any
+        self, grads: list[Any], variables: list[Any], present: list[bool], step: Any, weight: Any
     ) -> None:
         """The fold of one micro-step as in-place adds onto a cycle that starts from zeros
-        (TensorFlow, no strategy); ``step``: the micro-step counter before this one."""
+        (TensorFlow, no strategy); ``step``: the micro-step counter before this one; ``weight``
+        as :meth:`_stateful_apply`'s."""
         options = self._options
         if options.reduction == "running_mean":  # its fold rescales: the generic one
-            self._stateful_fold(grads, variables, present)
+            self._stateful_fold(grads, variables, present, weight)
             return
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         weighted = options.reduction != "sum"
-        w = ops.cast(self._batch_weight.value, "float32") if weighted else 1.0
+        if weight is None:
+            weight = self._batch_weight.value
+        w = ops.cast(weight, "float32") if weighted else 1.0
         minus_w = ops.negative(w) if weighted else None
         for acc, g in zip(accs, grads):
             if weighted:
@@ -187,12 +198,21 @@ class StatefulShell:
             _add_to(self._micro_step, 1)
             _add_to(self._iterations, 1)
 
-    def _stateful_fold(self, grads: list[Any], variables: list[Any], present: list[bool]) -> None:
+    def _stateful_fold(
+        self, grads: list[Any], variables: list[Any], present: list[bool], weight: Any = None
+    ) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        if weight is None:
+            weight = self._batch_weight.value
         in_place = self._options.reduction != "running_mean"
-        if in_place:  # before the counters move: the first micro-step overwrites
+        if in_place:  # before the counters move (the torch backend's first micro-step overwrites)
             _cycle.fold_in_place(
-                accs, grads, self._micro_step.value, self._batch_weight.value, self._options
+                accs,
+                grads,
+                self._micro_step.value,
+                weight,
+                self._options,
+                from_zeros=_BACKEND == "tensorflow",  # under a strategy: see _end_cycle
             )
         state = _cycle.fold(
             _cycle.FoldState(
@@ -204,7 +224,7 @@ class StatefulShell:
                 self._iterations.value,
             ),
             grads,
-            self._batch_weight.value,
+            weight,
             self._options,
             present,
             accs_in_place=in_place,

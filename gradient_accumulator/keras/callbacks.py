@@ -9,6 +9,8 @@ batch's weight (:func:`weigh_batch`), as :class:`GradientAccumulateModel`'s own 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -247,6 +249,31 @@ def weigh_batch(model: Any, *args: Any) -> Any:
     return None
 
 
+@contextlib.contextmanager
+def weighing(model: Any, data: Any) -> Iterator[None]:
+    """TensorFlow and torch: the ``train_step`` run inside weighs its micro-batch by
+    ``data``'s number of samples, as :func:`weigh_batch`. TensorFlow without a strategy hands
+    the size to the optimizer's fold as a tensor of the step instead of writing it into
+    ``counter("batch_weight")``, which the fold would read back: a write, a read and their
+    ordering less per step (a strategy's replicas each write their own)."""
+    opt = find_accumulator(getattr(model, "optimizer", None))
+    if opt is None or keras.backend.backend() != "tensorflow":
+        weigh_batch(model, data)
+        yield
+        return
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy():
+        weigh_batch(model, data)
+        yield
+        return
+    opt.__dict__["_step_weight"] = _batch_size(data)  # untracked: a tensor of this step only
+    try:
+        yield
+    finally:
+        opt.__dict__.pop("_step_weight", None)
+
+
 def flush_batchnorm(model: Any) -> int:
     """Flush every :class:`AccumBatchNormalization` layer of ``model`` (see its ``flush``).
 
@@ -303,8 +330,8 @@ def _weigh_batches(model: Any, fresh: bool = False) -> None:
     def train_step(*args: Any) -> Any:
         if keras.backend.backend() == "jax":
             return step(weigh_batch(model, *args), args[1])
-        weigh_batch(model, *args)
-        return step(*args)
+        with weighing(model, *args):
+            return step(*args)
 
     object.__setattr__(model, "train_step", train_step)
     object.__setattr__(model, "_weighs_batches", True)

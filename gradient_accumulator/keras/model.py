@@ -14,6 +14,7 @@ from gradient_accumulator.keras.callbacks import (
     find_accumulator,
     flush_batchnorm,
     weigh_batch,
+    weighing,
 )
 from gradient_accumulator.keras.layers import register_batchnorm, reset_batchnorm
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
@@ -244,8 +245,8 @@ class GradientAccumulateModel(keras.Model):
 
         def train_step(self, data: Any) -> Any:
             """One micro-step; passes the batch size to the optimizer as the batch's weight."""
-            weigh_batch(self, data)
-            return super().train_step(data)
+            with weighing(self, data):
+                return super().train_step(data)
 
     def apply_accu_gradients(self) -> bool:
         """Apply the pending micro-batches now, with their true weight (as the original's).

@@ -327,8 +327,10 @@ class GradientAccumulateOptimizer(
 
     def counter(self, name: str) -> Any:
         """One of the variables the cycle lives in, by name: ``"micro_step"``,
-        ``"total_weight"``, ``"nonfinite"``, ``"batch_weight"`` (the coming micro-batch's weight,
-        which :class:`GradientAccumulateModel` writes before each train step), ``"loss_scale"``,
+        ``"total_weight"``, ``"nonfinite"``, ``"batch_weight"`` (the weight of a micro-batch
+        applied without one: 1 unless written; ``fit``'s step writes each batch's size there,
+        except on TensorFlow without a strategy, where it hands the size to the fold
+        directly), ``"loss_scale"``,
         ``"growth"`` or ``"skipped"``. Built optimizers only. On JAX the scalars are packed into
         two variables, and this is a view of one element, with a variable's ``value``,
         ``assign`` and ``numpy``. Discard a cycle with :meth:`reset_cycle`, not by writing
@@ -396,10 +398,10 @@ class GradientAccumulateOptimizer(
             weight: the micro-batch's weight in the cycle's mean (``reduction="MEAN"`` or
                 ``"RUNNING_MEAN"``), as the PyTorch wrapper's ``step(weight=...)``: its number
                 of samples when the loss is a per-batch mean, so that a short last batch counts
-                as much as it should. A number ≥ 0 or a scalar tensor. ``None``: the value in
-                ``counter("batch_weight")`` (1, or the batch size ``fit`` writes there before
-                each step, with either wrapper). A given weight
-                counts for this call only.
+                as much as it should. A number ≥ 0 or a scalar tensor. ``None``: the batch
+                size inside ``fit``'s step (with either wrapper), else the value in
+                ``counter("batch_weight")`` (1 unless written). A given weight counts for this
+                call only.
         """
         self._apply_micro_batch(grads, trainable_variables, weight)
 

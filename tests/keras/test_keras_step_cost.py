@@ -98,6 +98,44 @@ def test_tf_epoch_clock_is_one_read_and_a_countdown():
     assert "FloorMod" not in outer and "LogicalAnd" not in outer
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+def test_tf_train_step_hands_the_batch_size_to_the_fold():
+    """The model wrapper's step on TensorFlow without a strategy hands the batch's size to the
+    fold as a tensor of the step: its graph neither writes nor reads ``counter("batch_weight")``
+    (it wrote the size there and the fold read it back), and a short batch still weighs its
+    size."""
+    import tensorflow as tf
+
+    from gradient_accumulator.keras import GradientAccumulateModel
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = GradientAccumulateModel(
+        accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(2)(inputs)
+    )
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    opt = model.optimizer
+    step = tf.function(lambda x, y: model.train_step((x, y)))
+    rng = np.random.default_rng(0)
+    for n in (8, 5):  # a full batch, then a short one: both in the cycle's total weight
+        x = rng.normal(size=(n, 3)).astype("float32")
+        step(tf.constant(x), tf.constant(np.zeros((n, 2), "float32")))
+    assert float(opt.counter("total_weight").numpy()) == 13.0
+    assert float(opt.counter("batch_weight").numpy()) == 1.0
+    graph = step.get_concrete_function(
+        tf.TensorSpec((None, 3), "float32"), tf.TensorSpec((None, 2), "float32")
+    ).graph
+    inner = {id(internal): external for external, internal in graph.captures}
+    handle = opt.counter("batch_weight").value.handle
+    touching = [
+        op.type
+        for op in graph.get_operations()
+        if op.inputs and inner.get(id(op.inputs[0])) is handle
+    ]
+    assert touching == []
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's in-place weighted add")
 def test_tf_in_place_weighted_add_rounds_as_multiply_then_add():
     """Weights that make ``w·g`` inexact: the accumulator after three micro-steps equals the
