@@ -113,6 +113,8 @@ class StatefulShell:
         tensor or number (TensorFlow without a strategy); None: ``counter("batch_weight")``."""
         present = [g is not None for g in grads]
         grads = _cycle.dense(grads, variables)
+        if weight is None:
+            weight = self._batch_weight.value
         if _BACKEND == "tensorflow" and _strategy() is None:
             self._in_place_apply(grads, variables, present, weight)
             return
@@ -168,15 +170,13 @@ class StatefulShell:
     ) -> None:
         """The fold of one micro-step as in-place adds onto a cycle that starts from zeros
         (TensorFlow, no strategy); ``step``: the micro-step counter before this one; ``weight``
-        as :meth:`_stateful_apply`'s."""
+        the micro-batch's weight."""
         options = self._options
         if options.reduction == "running_mean":  # its fold rescales: the generic one
             self._stateful_fold(grads, variables, present, weight)
             return
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         weighted = options.reduction != "sum"
-        if weight is None:
-            weight = self._batch_weight.value
         w = ops.cast(weight, "float32") if weighted else 1.0
         minus_w = ops.negative(w) if weighted else None
         for acc, g in zip(accs, grads):
@@ -199,11 +199,9 @@ class StatefulShell:
             _add_to(self._iterations, 1)
 
     def _stateful_fold(
-        self, grads: list[Any], variables: list[Any], present: list[bool], weight: Any = None
+        self, grads: list[Any], variables: list[Any], present: list[bool], weight: Any
     ) -> None:
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
-        if weight is None:
-            weight = self._batch_weight.value
         in_place = self._options.reduction != "running_mean"
         if in_place:  # before the counters move (the torch backend's first micro-step overwrites)
             _cycle.fold_in_place(

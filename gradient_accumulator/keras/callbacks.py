@@ -4,7 +4,7 @@
 callbacks of every model whose optimizer is (or wraps) a :class:`GradientAccumulateOptimizer`,
 plain ``keras.Model`` or :class:`GradientAccumulateModel` alike. The same hook gives such a
 plain model a ``train_step`` that passes each batch's number of samples to the optimizer as the
-batch's weight (:func:`weigh_batch`), as :class:`GradientAccumulateModel`'s own step does.
+batch's weight (:func:`weighing`), as :class:`GradientAccumulateModel`'s own step does.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from gradient_accumulator.keras import _compat, _packed
+from gradient_accumulator.keras._tf_shell import _strategy
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["FlushAccumulation", "flush_batchnorm"]
@@ -257,13 +258,8 @@ def weighing(model: Any, data: Any) -> Iterator[None]:
     ``counter("batch_weight")``, which the fold would read back: a write, a read and their
     ordering less per step (a strategy's replicas each write their own)."""
     opt = find_accumulator(getattr(model, "optimizer", None))
-    if opt is None or keras.backend.backend() != "tensorflow":
-        weigh_batch(model, data)
-        yield
-        return
-    import tensorflow as tf
-
-    if tf.distribute.has_strategy():
+    # The same test as the optimizer's (_parts._apply_micro_batch), which takes the size.
+    if opt is None or keras.backend.backend() != "tensorflow" or _strategy() is not None:
         weigh_batch(model, data)
         yield
         return
@@ -311,10 +307,11 @@ def _with_flush(callbacks: Any, model: Any) -> None:
 
 def _weigh_batches(model: Any, fresh: bool = False) -> None:
     """Give ``model`` (a plain ``keras.Model`` compiled with an accumulating optimizer) a
-    ``train_step`` that writes each batch's number of samples as its weight before Keras's own
-    step, as :class:`GradientAccumulateModel` does, so that ``fit``'s short last batch counts as
-    much as it should. Set on the instance, once; the step is looked up when ``fit`` makes its
-    train function, which it does after setting the callbacks' model. ``fresh``: the compiled
+    ``train_step`` that passes each batch's number of samples as its weight to Keras's own
+    step (:func:`weighing`), as :class:`GradientAccumulateModel` does, so that ``fit``'s
+    short last batch counts as much as it should. Set on the instance, once; the step is
+    looked up when ``fit`` makes its train function, which it does after setting the
+    callbacks' model. ``fresh``: the compiled
     step was dropped; a new function object is set, since ``jax.jit`` keeps its traces per
     function object and would otherwise hand back the step traced with the old settings."""
     if not hasattr(model, "train_step"):

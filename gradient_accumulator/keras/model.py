@@ -232,7 +232,7 @@ class GradientAccumulateModel(keras.Model):
         return callbacks
 
     # fit adds no per-instance step to this class (see callbacks._weigh_batches): its own
-    # train_step writes the weight.
+    # train_step passes the weight.
     _weighs_batches = True
 
     if _BACKEND == "jax":
