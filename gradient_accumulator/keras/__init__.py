@@ -13,6 +13,16 @@ Example:
     4
 """
 
+try:
+    import keras as _keras  # noqa: F401  (only to name the install when it is missing)
+except ImportError as _e:
+    raise ImportError(
+        "gradient_accumulator.keras needs Keras 3 and a backend: pip install "
+        "'gradient-accumulator[tensorflow]' or 'gradient-accumulator[jax]' (Keras on the torch "
+        "backend: 'gradient-accumulator[torch]' keras, with KERAS_BACKEND=torch). "
+        f"Import failed with: {_e}"
+    ) from _e
+
 from gradient_accumulator.keras.agc import adaptive_clip_grad, compute_norm, unitwise_norm
 from gradient_accumulator.keras.callbacks import FlushAccumulation
 from gradient_accumulator.keras.layers import AccumBatchNormalization

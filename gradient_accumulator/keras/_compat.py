@@ -24,6 +24,7 @@ import keras
 import numpy as np
 
 from gradient_accumulator._reaches import Reach
+from gradient_accumulator.deprecation import GradientAccumulatorDeprecationWarning
 from gradient_accumulator.keras._packed import Slot
 
 KERAS = "3.15.1"
@@ -249,7 +250,7 @@ def warn_deprecated(what: str, instead: str, stacklevel: int = 3) -> None:
     """
     warnings.warn(
         f"{what} is deprecated (gradient-accumulator 0.5): {instead}",
-        DeprecationWarning,
+        GradientAccumulatorDeprecationWarning,
         stacklevel=stacklevel,
     )
 

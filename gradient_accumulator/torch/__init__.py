@@ -7,6 +7,14 @@ Example:
     >>> opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 4)
 """
 
+try:
+    import torch as _torch  # noqa: F401  (only to name the install when it is missing)
+except ImportError as _e:
+    raise ImportError(
+        "gradient_accumulator.torch needs PyTorch: pip install 'gradient-accumulator[torch]' "
+        f"(or a CUDA build of torch from pytorch.org). Import failed with: {_e}"
+    ) from _e
+
 from gradient_accumulator.torch.agc import adaptive_clip_grad, unitwise_norm
 from gradient_accumulator.torch.batchnorm import (
     AccumBatchNorm1d,

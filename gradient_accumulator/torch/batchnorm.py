@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradient_accumulator import _validation, core
+from gradient_accumulator.deprecation import warn_once
 from gradient_accumulator.torch._glue import keep_on_sync_conversion
 
 __all__ = [
@@ -171,11 +172,12 @@ def layers_to_flush(
         and id(m.weight) in index
     )
     if any(int(m.accum_step) > 0 for _, m in held):  # the fallback made a difference
-        warnings.warn(
+        warn_once(
+            "flush-by-weights",
             "GradientAccumulateOptimizer.flush() found AccumBatchNorm layers by their weights, "
             "a deprecated fallback: register them with the optimizer (model= or "
-            "convert_batchnorm(model, optimizer)) so that they also follow its cycle",
-            DeprecationWarning,
+            "convert_batchnorm(model, optimizer)) so that they also follow its cycle "
+            "(said once per process)",
             stacklevel=4,
         )
     return layers + [m for _, m in held]

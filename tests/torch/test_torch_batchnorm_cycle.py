@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from gradient_accumulator import GradientAccumulatorDeprecationWarning, deprecation  # noqa: E402
 from gradient_accumulator.torch import (  # noqa: E402
     AccumBatchNorm1d,
     GradientAccumulateOptimizer,
@@ -194,16 +195,25 @@ def test_convert_batchnorm_refuses_bad_registration_arguments():
     assert type(model[0]) is nn.BatchNorm1d  # nothing converted
 
 
-def test_flush_by_weight_alone_is_deprecated():
+def test_flush_by_weight_alone_is_deprecated_and_said_once(monkeypatch):
     """An unregistered layer found only by the weight the optimizer holds is still flushed,
-    with a DeprecationWarning that names the registration."""
-    model = nn.Sequential(nn.Linear(4, C), AccumBatchNorm1d(C, accum_steps=4))
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 4)
-    model(torch.randn(6, 4)).square().sum().backward()
-    opt.step()
-    with pytest.warns(DeprecationWarning, match="convert_batchnorm\\(model, optimizer\\)"):
-        opt.flush()
-    assert int(model[1].num_batches_tracked) == 1
+    with the package's DeprecationWarning that names the registration, once per process: the
+    second flush (another optimizer, another layer) flushes too and says nothing."""
+    monkeypatch.setattr(deprecation, "_warned", set())  # as in a new process
+    for expect_warning in (True, False):
+        model = nn.Sequential(nn.Linear(4, C), AccumBatchNorm1d(C, accum_steps=4))
+        opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 4)
+        model(torch.randn(6, 4)).square().sum().backward()
+        opt.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.flush()
+        ours = [w for w in caught if w.category is GradientAccumulatorDeprecationWarning]
+        assert len(ours) == int(expect_warning), [str(w.message) for w in caught]
+        if expect_warning:
+            assert "convert_batchnorm(model, optimizer)" in str(ours[0].message)
+            assert issubclass(ours[0].category, DeprecationWarning)
+        assert int(model[1].num_batches_tracked) == 1 and int(model[1].accum_step) == 0
 
 
 def test_flush_by_weight_alone_warns_only_when_it_flushes_something():
