@@ -82,8 +82,11 @@ def keras_step() -> None:
     rows = [r for r in rows if r[1] == "default"]
     backends = [r[0] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
-    for ax, col, title in zip(axes, (2, 3), ("per micro-batch (662k parameters, k = 8)",
-                                            "per epoch (digits-sized, k = 4)")):
+    for ax, col, title in zip(
+        axes,
+        (2, 3),
+        ("per micro-batch (662k parameters, k = 8)", "per epoch (digits-sized, k = 4)"),
+    ):
         runs = {"GradientAccumulateOptimizer": [], "GradientAccumulateModel": []}
         for row in rows:
             pairs = [run.split("/") for run in row[col].split(";")]
@@ -93,8 +96,13 @@ def keras_step() -> None:
         width = 0.8 / len(runs)
         for i, (name, values) in enumerate(runs.items()):
             mid = [float(np.median(v)) for v in values]
-            err = [[m - min(v) for m, v in zip(mid, values)], [max(v) - m for m, v in zip(mid, values)]]
-            ax.bar(x + (i - (len(runs) - 1) / 2) * width, mid, width, yerr=err, capsize=3, label=name)
+            err = [
+                [m - min(v) for m, v in zip(mid, values)],
+                [max(v) - m for m, v in zip(mid, values)],
+            ]
+            ax.bar(
+                x + (i - (len(runs) - 1) / 2) * width, mid, width, yerr=err, capsize=3, label=name
+            )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(x, backends)
         ax.set_title(title, fontsize="medium")
