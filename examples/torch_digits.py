@@ -3,8 +3,8 @@
 Two copies of the same network start from the same weights and train for 5 epochs:
 
 * ``accumulated``: micro-batches of 8, ``GradientAccumulateOptimizer(SGD, accum_steps=8)`` and
-  ``AccumBatchNorm2d`` layers (``convert_batchnorm``), the epoch's short last cycle applied with
-  its true weight (``flush``);
+  ``AccumBatchNorm2d`` layers registered with it (``convert_batchnorm(model, optimizer)``), the
+  epoch's short last cycle applied with its true weight (``flush``);
 * ``big batch``: batches of 64 with a plain ``SGD`` (Nesterov momentum, weight decay). Its
   batch-norm layers normalise each group of 8 samples with that group's statistics (the most a
   micro-batch can see) and update their running statistics from all 64: the exact target of
@@ -43,7 +43,6 @@ from tqdm import tqdm
 from gradient_accumulator.torch import (
     GradientAccumulateOptimizer,
     convert_batchnorm,
-    flush_batchnorm,
 )
 
 MICRO_BATCH = 8
@@ -128,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     reference = make_model(GroupStatsBatchNorm2d, group=MICRO_BATCH)
     accumulated = make_model()
     accumulated.load_state_dict(reference.state_dict())
-    accumulated = convert_batchnorm(accumulated, ACCUM_STEPS)
 
     def make_opt(params):
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9, nesterov=True, weight_decay=1e-4)
@@ -146,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ref_opt = make_opt(reference.parameters())
     acc_opt = GradientAccumulateOptimizer(make_opt(accumulated.parameters()), ACCUM_STEPS)
+    # BatchNorm2d → AccumBatchNorm2d, registered with acc_opt: the layers follow its cycle, and
+    # acc_opt.flush() folds their partial cycle too.
+    accumulated = convert_batchnorm(accumulated, acc_opt)
 
     weight_diff = weight_max = stats_diff = 0.0
     start = time.perf_counter()
@@ -169,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
                 acc_opt.zero_grad()
             # A short last batch leaves a partial cycle: apply it with its true weight.
             acc_opt.flush()
-            flush_batchnorm(accumulated)
             bar.set_postfix(loss=f"{loss.item():.3f}")
             # The big batch's update from the same state, for the per-update comparison.
             F.cross_entropy(check(xb), yb).backward()

@@ -46,6 +46,9 @@ def _kernel_env(backend: str | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    # The package's own deprecation warnings as errors (IPython may show them instead: the test
+    # also reads the cells' stderr).
+    env["PYTHONWARNINGS"] = "error::gradient_accumulator.GradientAccumulatorDeprecationWarning"
     if backend is not None:
         env["KERAS_BACKEND"] = backend
     return env
@@ -75,6 +78,8 @@ def test_notebook_runs_and_matches_big_batch(name, backend, tmp_path):
     assert any("image/png" in o.get("data", {}) for o in outputs), "no plot was drawn"
     assert "assert " in code_cells[-1].source, "the last cell must assert the comparison"
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    assert "GradientAccumulatorDeprecationWarning" not in stderr, stderr
     assert "ours" in printed and "big batch" in printed
 
     folder = os.environ.get("GA_EXECUTED_NOTEBOOKS")
