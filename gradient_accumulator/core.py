@@ -49,6 +49,7 @@ from gradient_accumulator._loader import load_core
 __all__ = [
     "AccumulateResult",
     "ApplyResult",
+    "CudaStatus",
     "accumulate",
     "adaptive_clip",
     "apply",
@@ -58,6 +59,7 @@ __all__ = [
     "bn_update_running",
     "cpu_isa",
     "cuda_device_count",
+    "cuda_status",
     "global_norm",
     "has_cuda",
     "register_cuda_adapter",
@@ -120,8 +122,64 @@ def cpu_isa() -> str:
 
 
 def has_cuda() -> bool:
-    """Whether this build has CUDA kernels."""
+    """Whether this build has CUDA kernels (the Linux wheels do); see :func:`cuda_status` for
+    whether they can run on this machine."""
     return bool(load_core().has_cuda())
+
+
+class CudaStatus(NamedTuple):
+    """Whether the CUDA kernels can run on this machine, and why not (:func:`cuda_status`).
+
+    Attributes:
+        available: True when this build has CUDA kernels, an NVIDIA driver that runs them is
+            loaded and it sees at least one device.
+        reason: One line for people: ``"ok: 1 device, driver supports CUDA 13.0"``, or why the
+            kernels cannot run: ``"no CUDA kernels in this build (GA_CUDA=OFF)"``, ``"no NVIDIA
+            driver found (...)"``, ``"driver too old for the CUDA 13.0 runtime (driver supports
+            CUDA 12.4); ..."``, ``"no CUDA device (...)"``, or the runtime's own error.
+        device_count: CUDA devices visible (0 unless ``available``).
+        driver_version: ``(major, minor)`` of the newest CUDA the driver supports; None without
+            a driver or without CUDA kernels.
+        runtime_version: ``(major, minor)`` of the CUDA runtime linked into the core; None
+            without CUDA kernels.
+    """
+
+    available: bool
+    reason: str
+    device_count: int
+    driver_version: tuple[int, int] | None
+    runtime_version: tuple[int, int] | None
+
+
+def _cuda_version(v: int) -> tuple[int, int] | None:
+    return (v // 1000, v % 1000 // 10) if v > 0 else None
+
+
+def cuda_status() -> CudaStatus:
+    """Whether a usable NVIDIA driver and CUDA device are present for this build's kernels.
+
+    Never raises: every outcome, an error of the CUDA runtime included, is a :class:`CudaStatus`
+    whose ``reason`` says why the kernels cannot run. Loads the driver, as a first CUDA call
+    does, but creates no context on a device. A CUDA tensor given to a build whose kernels
+    cannot run is refused with the same reason.
+
+    Example:
+        >>> from gradient_accumulator import core
+        >>> status = core.cuda_status()
+        >>> status.available == (status.reason.startswith("ok"))
+        True
+    """
+    try:
+        code, count, driver, runtime, reason = load_core().cuda_probe()
+    except Exception as e:  # the contract is a value, never an exception
+        return CudaStatus(False, f"the CUDA probe failed: {e}", 0, None, None)
+    return CudaStatus(
+        available=code == 0,
+        reason=str(reason),
+        device_count=int(count),
+        driver_version=_cuda_version(int(driver)),
+        runtime_version=_cuda_version(int(runtime)),
+    )
 
 
 def cuda_device_count() -> int:

@@ -135,6 +135,9 @@ def test_wheel_test_command_runs_test_files_that_exist():
     """cibuildwheel tests every wheel with tools/wheel_test.py, which copies the core's test
     files named there; a renamed file would break only the release workflow."""
     assert _cibuildwheel()["test-command"] == "python {project}/tools/wheel_test.py {project}"
+    assert _cibuildwheel()["linux"]["test-command"] == (
+        "python {project}/tools/wheel_test.py {project} --expect-cuda"
+    )
     spec = importlib.util.spec_from_file_location("wheel_test", ROOT / "tools" / "wheel_test.py")
     wheel_test = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wheel_test)
@@ -172,10 +175,19 @@ def _pip(bindir: pathlib.Path, *args: str) -> None:
     subprocess.run([*pip, *args], check=True, env=_clean_env())
 
 
+def _test_command() -> str:
+    """cibuildwheel's test-command for the wheel .ci/run built: the Linux one (which requires
+    the CUDA kernels) for a wheel with them, else the default one."""
+    cibw = _cibuildwheel()
+    if os.environ.get("GA_WHEEL_HAS_CUDA") == "1":
+        return cibw["linux"]["test-command"]
+    return cibw["test-command"]
+
+
 def _run_wheel_test_command(bindir: pathlib.Path, cwd: pathlib.Path) -> tuple[str, dict]:
     """cibuildwheel's test-command, {project} substituted, through a shell with ``bindir``'s
     ``python`` first on PATH, from a folder outside the source tree (as cibuildwheel does)."""
-    command = _cibuildwheel()["test-command"].replace("{project}", str(ROOT))
+    command = _test_command().replace("{project}", str(ROOT))
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     if bindir != pathlib.Path(sys.executable).parent:  # a clean venv: nothing from outside
         env = dict(_clean_env(), PATH=env["PATH"])
@@ -212,6 +224,22 @@ def test_wheel_test_command_passes_in_a_clean_venv_without_frameworks(tmp_path):
     assert counts.get("passed", 0) >= 300, out[-3000:]
     assert counts.get("skipped", 0) >= 100, out[-3000:]  # the torch cases
     assert "could not import 'torch'" in out
+    # The CUDA build of the Linux wheels: kernels in, no CUDA library needed to import, and on a
+    # machine without a driver or GPU a reason that says so (not "rebuild with GA_CUDA=ON").
+    status = _probe(
+        bindir,
+        "from gradient_accumulator import core; s = core.cuda_status(); "
+        "print(core.has_cuda(), s.available, s.reason, sep='|')",
+    )
+    has_cuda, available, reason = status.split("|", 2)
+    if os.environ.get("GA_WHEEL_HAS_CUDA") in ("0", "1"):  # .ci/run says which it built
+        assert has_cuda == str(os.environ["GA_WHEEL_HAS_CUDA"] == "1"), status
+    if has_cuda == "True":
+        assert "CUDA kernels: True" in out
+        assert "GA_CUDA" not in reason, status
+        assert available == str(reason.startswith("ok: ")), status
+    else:
+        assert reason == "no CUDA kernels in this build (GA_CUDA=OFF)", status
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@
 
 #if !defined(GA_WITH_CUDA)
 
+#include <cstdio>
+
 #include "gradient_accumulator/cuda.h"
 
 namespace {
@@ -19,6 +21,14 @@ ga_status unsupported() {
 extern "C" {
 
 int ga_cuda_device_count(void) { return 0; }
+
+void ga_cuda_probe(ga_cuda_probe_result* result) {
+  if (result == nullptr) return;
+  *result = ga_cuda_probe_result{};
+  result->code = kGaCudaNotBuilt;
+  std::snprintf(result->reason, sizeof(result->reason), "%s",
+                "no CUDA kernels in this build (GA_CUDA=OFF)");
+}
 
 ga_status ga_cuda_accumulate(ga_tensor_list, ga_tensor_list, const ga_accumulate_options*, float*,
                              double*, void*) {

@@ -512,6 +512,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("num_threads", &ga_cpu_num_threads);
   m.def("has_cuda", [] { return ga_has_cuda() != 0; });
   m.def("cuda_device_count", &ga_cuda_device_count);
+  m.def("cuda_probe", [] {
+    ga_cuda_probe_result r;
+    {
+      py::gil_scoped_release release;  // loading the driver can take a while
+      ga_cuda_probe(&r);
+    }
+    return py::make_tuple(r.code, r.device_count, r.driver_version, r.runtime_version,
+                          std::string(r.reason));
+  });
   ga::python::bind_tensor_set(m);
   m.def("accumulate", &accumulate, py::arg("accumulators"), py::arg("grads"), py::arg("weight"),
         py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"), py::arg("compute_sumsq"),

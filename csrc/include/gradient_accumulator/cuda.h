@@ -78,6 +78,32 @@ GA_API ga_status ga_cuda_bn_update_running(ga_tensor running_mean, ga_tensor run
 /** \brief Number of CUDA devices the runtime sees (0 without a driver or a device). */
 GA_API int ga_cuda_device_count(void);
 
+/** \brief Whether the CUDA kernels can run on this machine (ga_cuda_probe_result.code). */
+typedef enum ga_cuda_availability {
+  kGaCudaAvailable = 0,    /**< kernels built, a driver that runs them, at least one device */
+  kGaCudaNotBuilt = 1,     /**< this build has no CUDA kernels */
+  kGaCudaNoDriver = 2,     /**< no NVIDIA driver (libcuda) could be loaded */
+  kGaCudaDriverTooOld = 3, /**< the driver supports an older CUDA than the runtime linked here */
+  kGaCudaNoDevice = 4,     /**< a driver, but no CUDA device visible to it */
+  kGaCudaError = 5         /**< another error of the runtime's initialisation: see `reason` */
+} ga_cuda_availability;
+
+/** \brief What ga_cuda_probe found. Versions are 1000·major + 10·minor (12040 is CUDA 12.4). */
+typedef struct ga_cuda_probe_result {
+  int code;            /**< a ga_cuda_availability */
+  int device_count;    /**< CUDA devices visible (0 unless code is kGaCudaAvailable) */
+  int driver_version;  /**< the newest CUDA the driver supports; 0 without a driver */
+  int runtime_version; /**< the CUDA runtime linked into the core; 0 without CUDA kernels */
+  char reason[256];    /**< one line for people: "ok: …" or why the kernels cannot run */
+} ga_cuda_probe_result;
+
+/**
+ * \brief Whether a usable driver and device are present, and why not. Never fails: the
+ *        outcome, errors of the runtime included, is written to `*result` (ignored when NULL).
+ *        Loads the driver (as any first CUDA call does) but creates no context on a device.
+ */
+GA_API void ga_cuda_probe(ga_cuda_probe_result* result);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
