@@ -14,7 +14,7 @@ status 1 if ours is not exact: max|Δw| ≤ 1e-5·max|w| in fp32. Under ``--bf16
 weights) every split of the batch rounds its backward differently and Adam amplifies that noise,
 so no run is exact; the script prints the distances and only checks a loose 5e-2·max|w| bound.
 
-Usage: python examples/hf_gpt2.py [--updates 12] [--accum 4] [--batch 4] [--bf16]
+Usage: python examples/hf_gpt2.py [--updates 10] [--accum 4] [--batch 4] [--bf16]
 """
 
 from __future__ import annotations

@@ -79,3 +79,21 @@ def test_hf_gpt2_token_weighted_accumulation():
     bound = _number(r"tolerance (\S+) =", out)
     assert ours <= bound
     assert naive > 100 * bound  # the usual recipe is visibly off: the test can tell them apart
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_usage_lines_give_the_scripts_defaults(script):
+    """A ``[--name N]`` in a script's ``Usage:`` line is the default its parser sets
+    (hf_gpt2.py's said ``--updates 12`` while it made 10 updates)."""
+    source = (EXAMPLES / script).read_text()
+    usage = re.search(r"^Usage: .*$", source, re.MULTILINE)
+    shown = re.findall(r"\[(--[\w-]+) ([^\]\s]+)\]", usage.group(0)) if usage else []
+    for option, value in shown:
+        default = re.search(
+            rf"add_argument\(\s*\"{re.escape(option)}\"[^)]*?default=([^,)\s]+)", source
+        )
+        assert default, f"{script}: no default for {option} in its parser"
+        assert default.group(1).strip("\"'") == value, (
+            f"{script}'s Usage line shows {option} {value}, its parser's default is "
+            f"{default.group(1)}"
+        )

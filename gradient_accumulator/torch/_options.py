@@ -64,6 +64,22 @@ def needs_closure(optimizer: Any) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+def closure_refusal(optimizer: Any) -> str:
+    """Why an optimizer whose ``step`` requires a closure cannot be wrapped, naming its class."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        how = "it re-evaluates the loss and gradient several times per update (a line search)"
+    else:
+        how = "it calls the closure to re-evaluate the loss and gradient during its update"
+    return (
+        f"optimizer {name} needs a closure in step(): {how}. Under accumulation the update's "
+        "gradient is the weighted mean over a cycle of micro-batches whose forward and backward "
+        "are already done when it is applied; a closure re-evaluating it would have to replay "
+        "the whole cycle, which the wrapper cannot do. Use it without "
+        "GradientAccumulateOptimizer, with a closure that sums the micro-batches' weighted losses"
+    )
+
+
 def check_options(
     optimizer: Any, model: Any, grad_scaler: Any, wrapper_type: type, **kwargs: Any
 ) -> Options:
@@ -81,13 +97,7 @@ def check_options(
     if isinstance(optimizer, wrapper_type):
         raise TypeError(f"optimizer is already a {wrapper_type.__name__}")
     if needs_closure(optimizer):
-        raise TypeError(
-            f"optimizer {type(optimizer).__name__} needs a closure in step(): it re-evaluates "
-            "the loss and gradient several times per update (a line search), which an "
-            "accumulated gradient cannot provide (the closure would have to replay the whole "
-            "cycle). Use it without GradientAccumulateOptimizer, with a closure that sums the "
-            "micro-batches' weighted losses"
-        )
+        raise TypeError(closure_refusal(optimizer))
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):

@@ -59,6 +59,29 @@ def check_parameters(params: Sequence[torch.Tensor], names: Sequence[str]) -> No
     check_layout(params, names)
 
 
+def check_shapes(
+    tensors: Sequence[torch.Tensor | None],
+    shapes: Sequence[tuple[int, ...]],
+    names: Sequence[str],
+    what: str = "it",
+) -> None:
+    """Refuse a parameter (or its ``.grad``: ``what="its .grad"``) whose shape is no longer the
+    one its accumulator was laid out for when the optimizer was wrapped — resized, or reshaped
+    to the same element count — naming the parameter (nothing written yet).
+
+    Raises:
+        ValueError: naming the first such parameter, its shape then and now.
+    """
+    for i, (t, shape) in enumerate(zip(tensors, shapes)):
+        if t is not None and t.shape != shape:
+            raise ValueError(
+                f"parameter {names[i]} (shape {tuple(shape)}) changed shape since the optimizer "
+                f"was wrapped: {what} has shape {tuple(t.shape)}. Its accumulator keeps the "
+                "shape it was wrapped with; resize parameters before wrapping the optimizer, or "
+                "wrap it again (nothing was changed)"
+            )
+
+
 def strides(params: Sequence[torch.Tensor]) -> list[tuple[int, ...] | None]:
     """Each parameter's strides, None for C-contiguous ones."""
     return [None if p.is_contiguous() else p.stride() for p in params]

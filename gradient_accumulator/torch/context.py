@@ -24,7 +24,7 @@ def _is_multi_rank_ddp(model: torch.nn.Module) -> bool:
 def accumulate(
     model: torch.nn.Module,
     optimizer: GradientAccumulateOptimizer,
-    weight: float | None = None,
+    weight: float | torch.Tensor | None = None,
 ) -> Iterator[bool]:
     """Run one micro-batch's forward and backward inside this context.
 
@@ -43,6 +43,7 @@ def accumulate(
         optimizer: the GradientAccumulateOptimizer that will step after the backward.
         weight: this micro-batch's weight, known before the backward, so that the optimizer's
             own distributed reduction can start during the backward (``overlap_reduce``).
+            A number or a 0-d tensor, as ``GradientAccumulateOptimizer.step``'s ``weight``.
 
     Yields:
         True if this micro-batch ends a cycle (its gradients are synchronised).

@@ -57,7 +57,7 @@ def _single_optimizer(module: Any) -> Any:
 
 
 def accumulation_step(
-    module: Any, batch_idx: int, weight: float = 1.0, *, optimizer: Any = None
+    module: Any, batch_idx: int, weight: Any = 1.0, *, optimizer: Any = None
 ) -> bool:
     """Fold one micro-batch into the wrapper; update, and step the schedulers, at a cycle's end.
 
@@ -69,7 +69,8 @@ def accumulation_step(
     Args:
         module: the ``LightningModule`` (``self``).
         batch_idx: the ``batch_idx`` of ``training_step``.
-        weight: this micro-batch's weight (its sample or token count when the loss is a mean).
+        weight: this micro-batch's weight (its sample or token count when the loss is a mean): a
+            number or a 0-d tensor, as ``GradientAccumulateOptimizer.step``'s ``weight``.
         optimizer: the optimizer to step (default: the module's only optimizer).
 
     Returns:

@@ -34,6 +34,30 @@ from gradient_accumulator.torch.batchnorm import register as register_batchnorm
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
 
 
+def check_weight(weight: Any, name: str = "weight") -> float:
+    """A micro-batch's weight as a float: a real number or a 0-d real tensor, finite and ≥ 0.
+
+    A tensor (integer or floating dtype, on any device) is read with ``.item()``: on CUDA that
+    waits for the work queued before it, once per call. It cannot be avoided here: the weight
+    is checked (finite, ≥ 0) before anything is written, and the core's fold and the cycle's
+    total weight take it as a host number.
+
+    Raises:
+        TypeError: not a real number (bools, complex numbers and their tensors included).
+        ValueError: a tensor that is not 0-d, or a value that is negative or not finite.
+    """
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype == torch.bool or weight.is_complex():
+            raise TypeError(f"{name} must be a real number, got a tensor of dtype {weight.dtype}")
+        if weight.dim() != 0:
+            raise ValueError(
+                f"{name} must be a number or a 0-d tensor, got a tensor of shape "
+                f"{tuple(weight.shape)}"
+            )
+        weight = weight.item()
+    return _validation.check_positive(weight, name, allow_zero=True)
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The GradientAccumulateOptimizer behind a framework's optimizer proxy, else ``optimizer``.
 
@@ -376,14 +400,15 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
 
     # ---- the loop ----
 
-    def expect_weight(self, weight: float) -> None:
+    def expect_weight(self, weight: float | torch.Tensor) -> None:
         """Name the weight of the coming micro-batch before its backward.
 
         :func:`~gradient_accumulator.torch.accumulate` calls it for its ``weight``; with
         ``overlap_reduce`` the last micro-batch's buckets are reduced during its backward,
-        already weighted. ``step()`` then takes this weight.
+        already weighted. ``step()`` then takes this weight. ``weight`` is a number or a 0-d
+        tensor, as in :meth:`step` (a CUDA tensor is read once, waiting for the GPU).
         """
-        self._loop.name_weight(_validation.check_positive(weight, "weight", allow_zero=True))
+        self._loop.name_weight(check_weight(weight))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` (already folded into the accumulators by ``step``).
@@ -394,13 +419,19 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         self._loop.zero_grad(set_to_none)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, weight: float = 1.0) -> Any:
+    def step(
+        self, closure: Callable[[], Any] | None = None, *, weight: float | torch.Tensor = 1.0
+    ) -> Any:
         """Accumulate this micro-batch's gradients; apply the update at the cycle's end.
 
         Args:
             closure: re-evaluates the loss (called once, before accumulating), as in torch.
             weight: this micro-batch's weight, finite and ≥ 0 (its sample or token count when
-                losses are per-micro-batch means).
+                losses are per-micro-batch means): a number or a 0-d tensor of an integer or
+                floating dtype, e.g. ``(labels != -100).sum()``. A tensor is read with
+                ``.item()``; for a CUDA tensor that waits once for the GPU's queued work (the
+                backward), because the weight is checked before anything is written and the
+                core folds it as a host number — the same wait as calling ``.item()`` yourself.
 
         Returns:
             The closure's loss, if a closure was given.
@@ -418,7 +449,7 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        weight = _validation.check_positive(weight, "weight", allow_zero=True)
+        weight = check_weight(weight)
         self._loop.step(weight, self._step_hooks())
         return loss
 

@@ -200,6 +200,11 @@ class GradientAccumulationTrainer(Trainer):
             (e.g. its number of samples for a per-sample mean loss).
         **kwargs: ``Trainer``'s keyword arguments.
 
+    The logged ``loss`` is the loss each update used: its cycle's weighted mean
+    ``Σ wᵢ·lossᵢ / Σ wᵢ`` (the cycle's token mean with the default weights), averaged over the
+    updates since the last log as the Trainer does; it is formed on the device, with no read of
+    the GPU.
+
     Attributes:
         accumulator: the :class:`GradientAccumulateOptimizer` (after ``create_optimizer``).
 
@@ -229,6 +234,9 @@ class GradientAccumulationTrainer(Trainer):
             self.loss_is_scaled_for_ga = True
         self._loss_checked = False
         self._computed_loss: torch.Tensor | None = None
+        # The cycle so far, for the logged loss: Σ weight·loss (on the loss's device) and Σ weight.
+        self._cycle_loss: torch.Tensor | None = None
+        self._cycle_weight = 0.0
         self.accumulator: GradientAccumulateOptimizer | None = None
         self._trainer_step: _TrainerStep | None = None
 
@@ -294,8 +302,26 @@ class GradientAccumulationTrainer(Trainer):
         else:
             step.wrapper.step(weight=weight)
             step.wrapper.zero_grad()
-        # Logged loss: the Trainer sums the micro-batches' values.
-        return loss / cycle
+        return self._logged_loss(loss.detach(), weight, self.accelerator.sync_gradients)
+
+    def _logged_loss(self, loss: torch.Tensor, weight: float, last: bool) -> torch.Tensor:
+        """What the Trainer adds to its logged loss for this micro-batch.
+
+        The Trainer sums these values and logs the sum divided by the updates since its last
+        log. Each update's share is the loss the update used: the cycle's weighted mean
+        ``Σ wᵢ·lossᵢ / Σ wᵢ`` (the token mean of the cycle, with the default weights), given on
+        the cycle's last micro-batch; the others give 0. It stays a device tensor: no read of
+        the GPU (the weights are host numbers already). A cycle of total weight 0 gives NaN,
+        which the Trainer's ``logging_nan_inf_filter`` replaces as it does any NaN loss.
+        """
+        part = loss.float() * weight
+        total = part if self._cycle_loss is None else self._cycle_loss + part
+        if not last:
+            self._cycle_loss = total
+            self._cycle_weight += weight
+            return torch.zeros_like(total)
+        w, self._cycle_loss, self._cycle_weight = self._cycle_weight + weight, None, 0.0
+        return total / w if w > 0 else torch.full_like(total, float("nan"))
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.compute_loss``, noting the loss for the first micro-batch's check."""

@@ -131,8 +131,9 @@ def _flat(model):
 def _token_exact_big_batch(total_updates: int, optim: str = "adamw", cls=None):
     """One update per cycle on the summed token losses / the cycle's target tokens.
 
-    Returns the weights, the number of updates and the Trainer's ``training_loss`` for the same
-    run: the mean over updates of the mean of the cycle's micro-batch losses.
+    Returns the weights, the number of updates and, in fp64, the loss of each update: the
+    cycle's token-weighted mean (summed token losses / the cycle's target tokens) and the plain
+    mean of its micro-batches' own means (what the Trainer integration logged before).
     """
     model = _model(cls)
     if optim == "adamw":
@@ -156,12 +157,12 @@ def _token_exact_big_batch(total_updates: int, optim: str = "adamw", cls=None):
     batches = [
         collate([data[j] for j in range(i, min(i + B, len(data)))]) for i in range(0, len(data), B)
     ]
-    updates, logged = 0, 0.0
+    updates, weighted, plain = 0, [], []
     for _ in range(EPOCHS):
         for start in range(0, len(batches), K):
             cycle = batches[start : start + K]
             tokens = sum(target_tokens(b["labels"], True) for b in cycle)
-            total = 0.0
+            total, summed64, plain64 = 0.0, 0.0, 0.0
             for b in cycle:
                 logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
                 summed = torch.nn.functional.cross_entropy(
@@ -171,7 +172,10 @@ def _token_exact_big_batch(total_updates: int, optim: str = "adamw", cls=None):
                     reduction="sum",
                 )
                 total = total + summed
-                logged += summed.item() / target_tokens(b["labels"], True) / len(cycle)
+                summed64 += summed.detach().item()  # fp32 token sums, added in fp64
+                plain64 += summed.detach().item() / target_tokens(b["labels"], True) / len(cycle)
+            weighted.append(summed64 / tokens)
+            plain.append(plain64)
             (total / tokens).backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -179,12 +183,15 @@ def _token_exact_big_batch(total_updates: int, optim: str = "adamw", cls=None):
             opt.zero_grad()
             sched.step()
             updates += 1
-    return _flat(model), updates, logged / updates
+    return _flat(model), updates, (weighted, plain)
 
 
 def test_trainer_is_token_exact(tmp_path):
     ours = OursInOrder(
-        model=_model(), args=_args(tmp_path), train_dataset=_Data(), data_collator=collate
+        model=_model(),
+        args=_args(tmp_path, logging_strategy="steps", logging_steps=1),
+        train_dataset=_Data(),
+        data_collator=collate,
     )
     result = ours.train()
     updates = ours.state.global_step
@@ -192,10 +199,17 @@ def test_trainer_is_token_exact(tmp_path):
     assert ours.accumulator.accumulation_state.updates == updates
     assert ours.accumulator.micro_step == 0
     assert ours.lr_scheduler.last_epoch == updates
-    ref, ref_updates, ref_loss = _token_exact_big_batch(updates)
+    ref, ref_updates, (ref_losses, plain_losses) = _token_exact_big_batch(updates)
     assert ref_updates == updates
-    # The logged loss is the micro-batches' own means, neither divided by K nor by K².
-    assert result.training_loss == pytest.approx(ref_loss, rel=1e-5)
+    # Each update logs the loss it used: its cycle's token-weighted mean (the 4th cycle of an
+    # epoch is short), neither a plain mean of the micro-batches' means nor divided by K. The
+    # reference runs its own fp64-summed copy of the training, whose weights agree with ours to
+    # ~1e-6 relative: 1e-5 relative on the loss.
+    logged = [e["loss"] for e in ours.state.log_history if "loss" in e]
+    assert logged == pytest.approx(ref_losses, rel=1e-5)
+    assert result.training_loss == pytest.approx(sum(ref_losses) / updates, rel=1e-5)
+    # The plain mean differs by more than the tolerance (the check can fail).
+    assert max(abs(p / r - 1) for p, r in zip(plain_losses, ref_losses)) > 1e-4
     w = _flat(ours.model)
 
     own = TrainerInOrder(

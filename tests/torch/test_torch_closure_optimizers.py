@@ -1,6 +1,9 @@
-"""Optimizers whose step() needs a closure (LBFGS) are refused when wrapped, with the reason."""
+"""Optimizers whose step() needs a closure (LBFGS, any other) are refused when wrapped, with the
+reason."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -18,13 +21,43 @@ class _NeedsClosure(torch.optim.SGD):
         return loss
 
 
-@pytest.mark.parametrize("make", [torch.optim.LBFGS, lambda p: _NeedsClosure(p, lr=0.1)])
-def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_construction(make):
+class _MyClosureOptimizer(torch.optim.Optimizer):
+    """Not derived from a torch optimizer: its step requires the closure, with no line search."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure):  # noqa: D102
+        with torch.enable_grad():
+            loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "why"),
+    [
+        (torch.optim.LBFGS, "LBFGS", r"several times per update \(a line search\)"),
+        (lambda p: _NeedsClosure(p, lr=0.1), "_NeedsClosure", r"during its update"),
+        (_MyClosureOptimizer, "_MyClosureOptimizer", r"during its update"),
+    ],
+    ids=["lbfgs", "sgd_subclass", "custom"],
+)
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_construction(make, name, why):
     model = torch.nn.Linear(3, 1)
     before = [p.detach().clone() for p in model.parameters()]
     inner = make(model.parameters())
-    with pytest.raises(TypeError, match=r"needs a closure in step\(\).*line search"):
+    with pytest.raises(TypeError) as info:
         GradientAccumulateOptimizer(inner, 2)
+    message = str(info.value)
+    assert message.startswith(f"optimizer {name} needs a closure in step(): ")
+    assert re.search(why, message)
+    # Why accumulation rules the closure out, for any optimizer.
+    assert "a closure re-evaluating it would have to replay the whole cycle" in message
+    # Only LBFGS is said to run a line search.
+    assert ("line search" in message) == (name == "LBFGS")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not inner.state  # nothing built, nothing stepped
 
