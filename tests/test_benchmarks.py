@@ -106,6 +106,36 @@ def test_gpu_check_dry_run_lists_every_step_without_a_gpu():
         assert step in proc.stdout, (step, proc.stdout)
 
 
+def test_gpu_check_of_a_wheel_installs_it_and_never_builds_or_imports_the_checkout():
+    """``--wheel FILE``: the GPU machine checks the release wheel itself, not a source build."""
+    proc = subprocess.run(
+        [
+            "bash",
+            str(BENCHMARKS.parent / "tools" / "gpu_check.sh"),
+            "--dry-run",
+            "--wheel",
+            "x.whl",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    steps = proc.stdout.splitlines()[1:]
+    assert steps[0].split()[0] == "install" and "pip install --no-deps" in steps[0]
+    assert "x.whl" in steps[0] and "dev_build" not in proc.stdout
+    assert steps[1].split()[0] == "installed" and "cuda_status()" in steps[1]
+    pytest_lines = [s for s in steps if "-m pytest" in s]
+    assert len(pytest_lines) == 5 and all(" -P -m pytest" in s for s in pytest_lines)
+    missing = subprocess.run(
+        ["bash", str(BENCHMARKS.parent / "tools" / "gpu_check.sh"), "--wheel"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "--wheel needs a file" in missing.stderr
+
+
 def test_keras_jax_executable_runs_and_counts_the_state_arrays():
     # The compiled-step benchmark (Keras on JAX) runs, and counts the arrays each step carries:
     # the digits-sized MLP's 4 weights, 2 metric totals and the optimizer's state. Plain Adam

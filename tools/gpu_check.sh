@@ -13,8 +13,13 @@
 # Logs and JSON go to $GA_GPU_CHECK_OUT (default build/gpu-check); a summary is printed last, and
 # the exit status is that of the first failing check (benchmarks fail only if they crash).
 #
-# Usage: tools/gpu_check.sh [--dry-run] [--quick] [--full]
+# Usage: tools/gpu_check.sh [--dry-run] [--quick] [--full] [--wheel FILE]
 #   --dry-run  print the commands and exit 0 (no GPU needed; CI runs this)
+#   --wheel FILE  check a built wheel (the release's Linux wheel, carried to the GPU machine)
+#              instead of a source build: step 1 installs it with pip (no dependencies: the
+#              machine's torch stays), the checkout is not put on PYTHONPATH, pytest runs with
+#              -P (the checkout's folder does not shadow the installed package), and a first
+#              step fails unless the package imported is the wheel's, with its CUDA kernels
 #   --quick    the 1.1M benchmark shapes only (the end-to-end run stays at 124M)
 #   --full     the end-to-end run adds the 1.3B configuration (about 2 minutes more)
 # Where pytest-xdist is installed, the Keras suites run in 4 processes (JAX without
@@ -25,17 +30,30 @@ cd "$(dirname "$0")/.."
 dry=0
 quick=0
 full=0
-for a in "$@"; do
-  case "$a" in
+wheel=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) dry=1 ;;
     --quick) quick=1 ;;
     --full) full=1 ;;
-    *) echo "unknown option: $a (use --dry-run, --quick, --full)" >&2; exit 2 ;;
+    --wheel)
+      [ $# -ge 2 ] || { echo "--wheel needs a file" >&2; exit 2; }
+      wheel=$2
+      shift
+      ;;
+    *) echo "unknown option: $1 (use --dry-run, --quick, --full, --wheel FILE)" >&2; exit 2 ;;
   esac
+  shift
 done
 out=${GA_GPU_CHECK_OUT:-build/gpu-check}
 py=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+pytest_py=$py
+if [ -z "$wheel" ]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  [ $dry -eq 1 ] || [ -f "$wheel" ] || { echo "no such wheel: $wheel" >&2; exit 2; }
+  pytest_py="$py -P"  # Python >= 3.11: the current folder is not put first on sys.path
+fi
 per_test=""
 if [ $dry -eq 1 ] || $py -c "import pytest_timeout" 2>/dev/null; then
   per_test="--timeout 90"
@@ -67,21 +85,30 @@ if [ $dry -eq 1 ] || $py -c "import xdist" 2>/dev/null; then
 fi
 
 # name | time limit (s) | command
+if [ -z "$wheel" ]; then
+  build="build|300|GA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs bash tools/dev_build.sh -DGA_CUDA=ON -DGA_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=${arch}-real"
+  installed=""
+else
+  build="install|300|$py -m pip install --no-deps --force-reinstall $wheel"
+  # The package imported from outside the checkout is the wheel's, and it can run its kernels.
+  installed="installed|60|cd /tmp && $py -c 'import gradient_accumulator as g, gradient_accumulator.core as c, sys; s = c.cuda_status(); print(g.__file__, s); sys.exit(0 if c.has_cuda() and s.available and \"$PWD\" not in g.__file__ else 1)'"
+fi
 steps=(
-  "build|300|GA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs bash tools/dev_build.sh -DGA_CUDA=ON -DGA_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=${arch}-real"
-  "gpu-tests|300|$py -m pytest -q $per_test tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py"
+  "$build"
+  ${installed:+"$installed"}
+  "gpu-tests|300|$pytest_py -m pytest -q $per_test tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py tests/test_core_cuda_status.py"
   "gpu-core|600|$py benchmarks/gpu_core.py $bench_small --json $out/gpu_core.json"
   "gpu-profile|600|$py benchmarks/gpu_profile.py $bench_small --json $out/gpu_profile.json"
   "variants|300|CUDAARCHS=$arch bash tools/gpu_accumulate_variants.sh && cp build/accumulate-variants.tgz $out/"
   "gpu-e2e|600|$py benchmarks/gpu_e2e.py $e2e_only --json $out/gpu_e2e.json"
-  "keras-torch|300|KERAS_BACKEND=torch $py -m pytest -q $parallel $per_test $keras_files"
-  "keras-jax|300|KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m pytest -q $parallel $per_test $keras_files"
-  "memcheck|600|compute-sanitizer --tool memcheck --error-exitcode 1 $py -m pytest -q -p no:cacheprovider tests/cuda"
-  "racecheck|600|compute-sanitizer --tool racecheck --error-exitcode 1 $py -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_ops.py"
+  "keras-torch|300|KERAS_BACKEND=torch $pytest_py -m pytest -q $parallel $per_test $keras_files"
+  "keras-jax|300|KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false $pytest_py -m pytest -q $parallel $per_test $keras_files"
+  "memcheck|600|compute-sanitizer --tool memcheck --error-exitcode 1 $pytest_py -m pytest -q -p no:cacheprovider tests/cuda"
+  "racecheck|600|compute-sanitizer --tool racecheck --error-exitcode 1 $pytest_py -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_ops.py"
 )
 
 if [ $dry -eq 1 ]; then
-  echo "gpu_check (dry run): CUDA architecture $arch, logs in $out/"
+  echo "gpu_check (dry run): CUDA architecture $arch, logs in $out/${wheel:+, wheel $wheel}"
   for s in "${steps[@]}"; do
     IFS='|' read -r name limit cmd <<<"$s"
     printf '  %-12s (<= %3ss) %s\n' "$name" "$limit" "$cmd"
@@ -89,6 +116,7 @@ if [ $dry -eq 1 ]; then
   # What the steps name must exist: a renamed test or benchmark fails here, in CI, not on a GPU.
   missing=0
   for f in tools/dev_build.sh tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py \
+    tests/test_core_cuda_status.py \
     $keras_files benchmarks/gpu_core.py benchmarks/gpu_profile.py benchmarks/gpu_e2e.py \
     tools/gpu_accumulate_variants.sh benchmarks/cuda/accumulate_variants.cu; do
     [ -e "$f" ] || { echo "missing: $f" >&2; missing=1; }
@@ -130,7 +158,7 @@ for s in "${steps[@]}"; do
   line=$(grep -E "passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|built:" "$out/$name.log" | tail -1)
   summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$dt" "$line")")
   if [ $rc -ne 0 ] && [ $status -eq 0 ]; then status=$rc; fi
-  if [ "$name" = build ] && [ $rc -ne 0 ]; then break; fi
+  case "$name" in build | install | installed) [ $rc -eq 0 ] || break ;; esac
 done
 echo
 echo "== gpu_check summary ($(($(date +%s) - t_all)) s, logs in $out/)"
