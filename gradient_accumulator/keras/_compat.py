@@ -1,9 +1,10 @@
 """Keras internals the package relies on, and small helpers shared by the Keras modules.
 
 :data:`REACHES` lists every private attribute of Keras the package touches (and the JAX
-internals the JAX step reads its update's structure from, and the TensorFlow helper that keeps
-a conditional unlowered), the global patch it installs (:func:`install_fit_hook`) and the two
-reads of a caller's frame (:func:`model_being_cloned`, :func:`loss_scale_optimizer_wrapping`),
+internals the JAX step reads its update's structure from, and the TensorFlow internals of the
+distributed step), the global patch it installs (:func:`install_fit_hook`), the instance
+patches of Keras objects and the two reads of a caller's frame (:func:`model_being_cloned`,
+:func:`loss_scale_optimizer_wrapping`),
 with the versions they were checked against; ``tests/keras/test_keras_private_reaches.py``
 probes each against the installed libraries and names the one an upgrade moved. Also:
 deprecation warnings for 0.5's arguments and attributes, op ordering in TensorFlow graphs, and
@@ -122,6 +123,60 @@ REACHES = (
         "2.21.0",
         "the TensorFlow step's boundary conditional as a call of its branch "
         "(switch_case, from keras/_tf_shell.py)",
+    ),
+    Reach(
+        "tensorflow",
+        "tf.__internal__.distribute.strategy_supports_no_merge_call()",
+        "2.21.0",
+        "telling whether a tf.distribute strategy's update runs without merge_call, which "
+        "decides how the boundary's inner update is counted (keras/_tf_shell.py)",
+    ),
+    Reach(
+        "tensorflow",
+        "tensorflow.python.distribute.device_util.current()",
+        "2.21.0",
+        "the destination of the boundary's one packed all-reduce of the clipped cycle's "
+        "accumulators under a strategy with merge_call (keras/_tf_shell.py)",
+    ),
+    Reach(
+        "keras",
+        "patch: keras.optimizers.Optimizer()._all_reduce_sum_gradients (TensorFlow backend; "
+        "an instance attribute set for one apply, then removed)",
+        KERAS,
+        "handing the inner optimizer (and each optimizer it wraps) gradients already summed "
+        "over the replicas when the wrapper clips under a strategy, so they are not summed "
+        "again (keras/_tf_shell.py)",
+    ),
+    Reach(
+        "keras",
+        "patch: keras.optimizers.LossScaleOptimizer(): scale_loss, apply, stateless_apply, "
+        "save_own_variables, load_own_variables (instance attributes)",
+        KERAS,
+        "a LossScaleOptimizer wrapping the optimizer wrapper handing its loss scaling to the "
+        "wrapper, which scales per cycle (_adopt_loss_scaler, keras/_loss_scale.py)",
+    ),
+    Reach(
+        "keras",
+        "patch: keras.Model().train_step (instance attribute; with _plain_train_step, "
+        "_weighs_batches, _batch_weight_unit and train_function = None)",
+        KERAS,
+        "a plain model compiled with the optimizer wrapper weighing each batch by its number "
+        "of samples in fit, so the short last batch counts as it should (keras/callbacks.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.Variable()._layout",
+        KERAS,
+        "laying out AccumBatchNormalization's statistics and the accumulators like their "
+        "variables under a Keras distribution (keras/layers.py, keras/_parts.py)",
+    ),
+    Reach(
+        "keras",
+        "keras.layers.BatchNormalization()._moments(x, mask) (reading _reduction_axes, set "
+        "per call)",
+        KERAS,
+        "AccumBatchNormalization's micro-batch statistics, computed as BatchNormalization "
+        "computes them, for inputs of any rank (keras/layers.py)",
     ),
 )
 

@@ -1,7 +1,7 @@
 """PyTorch internals the package relies on, in one place.
 
-:data:`REACHES` lists every private attribute or function of torch the package touches and the
-one global patch it installs, with the torch versions they were checked against;
+:data:`REACHES` lists every private attribute, function or class of torch the package touches
+and the one global patch it installs, with the torch versions they were checked against;
 ``tests/torch/test_torch_private_reaches.py`` probes each against the installed torch and
 names the one an upgrade moved. The patch itself is installed from here.
 """
@@ -96,6 +96,28 @@ REACHES = (
         TORCH,
         "weighting each micro-batch's gradient before FSDP2 adds it into its unsharded "
         "gradients when gradient sync is off (a tensor hook; torch/fsdp.py)",
+    ),
+    Reach(
+        "torch",
+        "torch.distributed.tensor.DTensor()._local_tensor",
+        TORCH,
+        "the rank's shard of a DTensor parameter as the same tensor object each cycle (the "
+        "core's registered tensor sets keep track of it; to_local() makes a new one each "
+        "call), falling back to to_local() without it (torch/fsdp.py)",
+    ),
+    Reach(
+        "torch",
+        "torch.distributed.device_mesh.DeviceMesh()._flatten().get_group()",
+        TORCH,
+        "one process group over a multi-dimensional FSDP2 mesh, for the cycle's weights and "
+        "flags (torch/fsdp.py)",
+    ),
+    Reach(
+        "torch",
+        "torch.nn.modules.batchnorm._BatchNorm",
+        TORCH,
+        "AccumSyncBatchNorm's base class and telling torch's batch norms apart in "
+        "convert_batchnorm (torch/batchnorm.py)",
     ),
 )
 

@@ -1,5 +1,5 @@
 """Every private part of Keras the package relies on is still there (on this backend), and the
-JAX internals the JAX step reads its update's structure from.
+JAX and TensorFlow internals the JAX and TensorFlow steps rely on.
 
 Each record of ``keras/_compat.py``'s ``REACHES`` has a probe here that exercises it as the
 package does; a probe that fails names the record, the installed Keras and the version it was
@@ -211,6 +211,110 @@ def _switch_case() -> None:
     assert float(v.numpy()) == 11.0
 
 
+def _tensorflow() -> object:
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the TensorFlow step's reach")
+    import tensorflow as tf
+
+    return tf
+
+
+def _no_merge_call() -> None:
+    tf = _tensorflow()
+    assert isinstance(tf.__internal__.distribute.strategy_supports_no_merge_call(), bool)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        assert isinstance(tf.__internal__.distribute.strategy_supports_no_merge_call(), bool)
+
+
+def _device_util() -> None:
+    tf = _tensorflow()
+    from tensorflow.python.distribute import device_util
+
+    with tf.device("/device:CPU:0"):
+        current = device_util.current()
+    assert isinstance(current, str) and "CPU:0" in current, current
+
+
+def _all_reduce_sum() -> None:
+    _tensorflow()
+    opt = keras.optimizers.SGD(0.5)
+    v = keras.Variable(np.ones(2, "float32"))
+    opt.build([v])
+    assert callable(getattr(type(opt), "_all_reduce_sum_gradients", None))
+    seen = []
+
+    def already_reduced(grads_and_vars):
+        seen.append(len(list(grads_and_vars)))
+        return list(grads_and_vars)
+
+    vars(opt)["_all_reduce_sum_gradients"] = already_reduced
+    try:
+        opt.apply([keras.ops.ones(2)], [v])
+    finally:
+        vars(opt).pop("_all_reduce_sum_gradients", None)
+    assert seen == [1], "the apply did not go through the instance's _all_reduce_sum_gradients"
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(v), [0.5, 0.5])
+
+
+def _loss_scale_methods() -> None:
+    from gradient_accumulator.keras import _loss_scale
+
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+    lso = keras.optimizers.LossScaleOptimizer(opt)
+    for name, function in (
+        ("scale_loss", _loss_scale._adopted_scale_loss),
+        ("apply", _loss_scale._adopted_apply),
+        ("stateless_apply", _loss_scale._adopted_stateless_apply),
+        ("save_own_variables", _loss_scale._adopted_save_own_variables),
+        ("load_own_variables", _loss_scale._adopted_load_own_variables),
+    ):
+        own = getattr(keras.optimizers.LossScaleOptimizer, name, None)
+        assert callable(own), f"LossScaleOptimizer has no method {name}"
+        assert not hasattr(own, "__set__"), f"LossScaleOptimizer.{name} is a data descriptor"
+        assert getattr(lso, name).__func__ is function, f"the instance's {name} is not ours"
+    loss = keras.ops.convert_to_tensor(2.0)
+    scaled = keras.ops.convert_to_numpy(lso.scale_loss(loss))
+    assert float(scaled) == 2.0 * opt.initial_scale, "scale_loss does not reach the wrapper"
+
+
+def _instance_train_step() -> None:
+    model = keras.Model(*_mlp())
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, batch_size=2, verbose=0)
+    calls = []
+    step = model.train_step
+
+    def train_step(*args):
+        calls.append(len(args))
+        return step(*args)
+
+    object.__setattr__(model, "train_step", train_step)
+    object.__setattr__(model, "train_function", None)  # made again by the next fit
+    model.fit(x, y, batch_size=2, verbose=0)
+    assert calls, "fit did not call the model's instance train_step"
+
+
+def _variable_layout() -> None:
+    v = keras.Variable(np.ones(2, "float32"))
+    assert hasattr(v, "_layout") and v._layout is None, "a Variable without layout has one"
+    layer = keras.layers.Layer()
+    w = layer.add_weight(shape=(2,), initializer="zeros", name="w")
+    assert w._layout is None
+
+
+def _bn_moments() -> None:
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 4, 3))
+    x = np.random.default_rng(0).normal(size=(5, 4, 3)).astype("float32")
+    object.__setattr__(layer, "_reduction_axes", [0, 1])
+    mean, variance = layer._moments(keras.ops.convert_to_tensor(x), None)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(mean), x.mean((0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(variance), x.var((0, 1)), rtol=1e-4, atol=1e-6
+    )
+
+
 PROBES: dict[str, Callable[[], None]] = dict(
     zip(
         [r.target for r in _compat.REACHES],
@@ -227,6 +331,13 @@ PROBES: dict[str, Callable[[], None]] = dict(
             _apply_parts,
             _jaxpr,
             _switch_case,
+            _no_merge_call,
+            _device_util,
+            _all_reduce_sum,
+            _loss_scale_methods,
+            _instance_train_step,
+            _variable_layout,
+            _bn_moments,
         ],
     )
 )

@@ -174,6 +174,65 @@ def _fsdp2_unsharded() -> None:
         end()
 
 
+def _one_rank_group() -> Callable[[], None]:
+    """A Gloo group of one process (made here when none exists) and the function that ends it."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return lambda: None
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.destroy_process_group
+
+
+def _dtensor_local() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from gradient_accumulator.torch.fsdp import local
+
+    end = _one_rank_group()
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        d = distribute_tensor(torch.arange(4.0), mesh)
+        held = d._local_tensor
+        assert isinstance(held, torch.Tensor) and held is d._local_tensor, "not one object"
+        assert held.data_ptr() == d.to_local().data_ptr(), "not the rank's shard"
+        assert local(d) is held
+    finally:
+        end()
+
+
+def _mesh_flatten() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    end = _one_rank_group()
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        flat = mesh._flatten()
+        assert flat.ndim == 1 and flat.size() == mesh.size()
+        assert dist.get_world_size(flat.get_group()) == mesh.size()
+    finally:
+        end()
+
+
+def _batchnorm_base() -> None:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from gradient_accumulator.torch.batchnorm import AccumSyncBatchNorm, _batchnorm_like
+
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
+        assert issubclass(cls, _BatchNorm), f"{cls.__name__} is not a _BatchNorm"
+    assert _batchnorm_like(nn.BatchNorm2d(3)) and not _batchnorm_like(nn.LayerNorm(3))
+    bn = AccumSyncBatchNorm(3, accum_steps=1)
+    bn(torch.randn(4, 3, 5))
+    assert int(bn.num_batches_tracked) == 1 and bn.running_mean.shape == (3,)
+
+
 PROBES: dict[str, Callable[[], None]] = {
     _glue.REACHES[0].target: _hook_dicts,
     _glue.REACHES[1].target: _global_hooks,
@@ -186,6 +245,9 @@ PROBES: dict[str, Callable[[], None]] = {
     _glue.REACHES[8].target: _sync_patch,
     _glue.REACHES[9].target: _fsdp2_records,
     _glue.REACHES[10].target: _fsdp2_unsharded,
+    _glue.REACHES[11].target: _dtensor_local,
+    _glue.REACHES[12].target: _mesh_flatten,
+    _glue.REACHES[13].target: _batchnorm_base,
     _reaches.REACHES[0].target: _frames,
 }
 REACHES = _glue.REACHES + _reaches.REACHES
