@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradient_accumulator import _validation
 from gradient_accumulator._options import EXCLUSIVE_CLIPPING, LEFTOVERS, Options
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "check_max_norm",
     "check_options",
     "check_policy",
+    "check_weight",
     "checked",
     "inner_attribute",
 ]
@@ -147,3 +149,27 @@ def inner_attribute(name: str) -> property:
         setattr(self.optimizer, name, value)
 
     return property(get, set_, doc=f"The inner optimizer's ``{name}``.")
+
+
+def check_weight(weight: Any, name: str = "weight") -> float:
+    """A micro-batch's weight as a float: a real number or a 0-d real tensor, finite and ≥ 0.
+
+    A tensor (integer or floating dtype, on any device) is read with ``.item()``: on CUDA that
+    waits for the work queued before it, once per call. It cannot be avoided here: the weight
+    is checked (finite, ≥ 0) before anything is written, and the core's fold and the cycle's
+    total weight take it as a host number.
+
+    Raises:
+        TypeError: not a real number (bools, complex numbers and their tensors included).
+        ValueError: a tensor that is not 0-d, or a value that is negative or not finite.
+    """
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype == torch.bool or weight.is_complex():
+            raise TypeError(f"{name} must be a real number, got a tensor of dtype {weight.dtype}")
+        if weight.dim() != 0:
+            raise ValueError(
+                f"{name} must be a number or a 0-d tensor, got a tensor of shape "
+                f"{tuple(weight.shape)}"
+            )
+        weight = weight.item()
+    return _validation.check_positive(weight, name, allow_zero=True)

@@ -11,17 +11,14 @@ from typing import Any, Callable
 
 import torch
 
-from gradient_accumulator import _validation
+from gradient_accumulator.torch import _readouts, _settings
 from gradient_accumulator.torch._guards import refuse_outer_accumulation
 from gradient_accumulator.torch._loop import Loop, StepHooks
 from gradient_accumulator.torch._options import (
     HOOK_DICTS,
     AccumulationState,
-    check_leftover,
-    check_max_norm,
     check_options,
-    check_policy,
-    checked,
+    check_weight,
     inner_attribute,
 )
 from gradient_accumulator.torch._proxy import (
@@ -32,30 +29,6 @@ from gradient_accumulator.torch._proxy import (
 from gradient_accumulator.torch.batchnorm import register as register_batchnorm
 
 __all__ = ["AccumulationState", "GradientAccumulateOptimizer", "unwrap_optimizer"]
-
-
-def check_weight(weight: Any, name: str = "weight") -> float:
-    """A micro-batch's weight as a float: a real number or a 0-d real tensor, finite and ≥ 0.
-
-    A tensor (integer or floating dtype, on any device) is read with ``.item()``: on CUDA that
-    waits for the work queued before it, once per call. It cannot be avoided here: the weight
-    is checked (finite, ≥ 0) before anything is written, and the core's fold and the cycle's
-    total weight take it as a host number.
-
-    Raises:
-        TypeError: not a real number (bools, complex numbers and their tensors included).
-        ValueError: a tensor that is not 0-d, or a value that is negative or not finite.
-    """
-    if isinstance(weight, torch.Tensor):
-        if weight.dtype == torch.bool or weight.is_complex():
-            raise TypeError(f"{name} must be a real number, got a tensor of dtype {weight.dtype}")
-        if weight.dim() != 0:
-            raise ValueError(
-                f"{name} must be a number or a 0-d tensor, got a tensor of shape "
-                f"{tuple(weight.shape)}"
-            )
-        weight = weight.item()
-    return _validation.check_positive(weight, name, allow_zero=True)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -227,114 +200,20 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
         if model is not None:  # its AccumBatchNorm layers follow this optimizer's cycle
             register_batchnorm(model, self)
 
-    # ---- settings (may be changed between cycles) ----
+    # ---- settings (may be changed between cycles; _settings.py) and two read-outs ----
 
-    @property
-    def accum_steps(self) -> int:
-        """Micro-batches per update (may be changed between cycles; ranks must agree)."""
-        return self._loop.cycle.accum_steps
-
-    @accum_steps.setter
-    def accum_steps(self, value: int) -> None:
-        self._loop.cycle.set_accum_steps(checked("accum_steps")(self, value))
-
-    @property
-    def reduction(self) -> str:
-        """``"mean"``, ``"sum"`` or ``"running_mean"``; may change between cycles."""
-        return self._loop.cycle.reduction
-
-    @reduction.setter
-    def reduction(self, value: str) -> None:
-        value = checked("reduction")(self, value)
-        if value == "running_mean" and self._loop.sharded and value != self.reduction:
-            raise ValueError("a model sharded by FSDP2 needs reduction='mean' or 'sum'")
-        self._loop.cycle.set_reduction(value)
-
-    @property
-    def clip_factor(self) -> float:
-        """AGC's λ."""
-        return self._loop.update.clip_factor
-
-    @clip_factor.setter
-    def clip_factor(self, value: float) -> None:
-        self._loop.configure(clip_factor=checked("clip_factor")(self, value))
-
-    @property
-    def eps(self) -> float:
-        """AGC's ε (floor of a unit's weight norm)."""
-        return self._loop.update.eps
-
-    @eps.setter
-    def eps(self, value: float) -> None:
-        self._loop.configure(eps=checked("eps")(self, value))
-
-    @property
-    def grad_scaler(self) -> Any:
-        """The GradScaler of the losses, or None."""
-        return self._loop.scaler.scaler
-
-    @grad_scaler.setter
-    def grad_scaler(self, value: Any) -> None:
-        self._loop.configure(grad_scaler=value)
-
-    @property
-    def max_grad_norm(self) -> float | None:
-        """The clip threshold."""
-        return self._loop.max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float | None) -> None:
-        self._loop.configure(max_grad_norm=check_max_norm(self, value))
-
-    @property
-    def leftover(self) -> str:
-        """flush()'s partial cycle: apply/carry."""
-        return self._loop.leftover
-
-    @leftover.setter
-    def leftover(self, value: str) -> None:
-        self._loop.configure(leftover=check_leftover(self, value))
-
-    @property
-    def on_nonfinite(self) -> str:
-        """What a non-finite cycle does."""
-        return self._loop.on_nonfinite
-
-    @on_nonfinite.setter
-    def on_nonfinite(self, value: str) -> None:
-        self._loop.configure(on_nonfinite=check_policy(self, value))
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        """The module the parameters come from, or None."""
-        return self._loop.model
-
-    @model.setter
-    def model(self, value: torch.nn.Module | None) -> None:
-        self._loop.configure(model=value)
-
-    @property
-    def update_applied(self) -> bool:
-        """Whether the last step() or flush() updated the weights. On CUDA, where the boundary
-        leaves the non-finite skip to the device, the first read after a boundary waits for
-        the GPU (docs/cuda.md)."""
-        return self._loop.update_applied
-
-    @property
-    def last_grad_norm(self) -> Any:
-        """With ``max_grad_norm``, the norm of the last cycle's averaged gradient before
-        clipping: a float for CPU parameters, a 0-dim device tensor for CUDA ones (the step
-        never waits for the GPU). NaN after a skipped cycle."""
-        return self._loop.last_grad_norm
-
-    @property
-    def use_agc(self) -> bool:
-        """Adaptive gradient clipping of the averaged gradient at the boundary."""
-        return self._loop.update.agc_skip is not None
-
-    @use_agc.setter
-    def use_agc(self, value: bool) -> None:
-        self._loop.configure(use_agc=checked("use_agc")(self, value))
+    accum_steps = _settings.accum_steps
+    reduction = _settings.reduction
+    clip_factor = _settings.clip_factor
+    eps = _settings.eps
+    grad_scaler = _settings.grad_scaler
+    max_grad_norm = _settings.max_grad_norm
+    leftover = _settings.leftover
+    on_nonfinite = _settings.on_nonfinite
+    model = _settings.model
+    update_applied = _readouts.update_applied
+    last_grad_norm = _readouts.last_grad_norm
+    use_agc = _settings.use_agc
 
     # ---- the inner optimizer's state, always its current objects ----
 
@@ -342,53 +221,16 @@ class GradientAccumulateOptimizer(torch.optim.Optimizer):
     state = inner_attribute("state")  # type: ignore[assignment]
     defaults = inner_attribute("defaults")  # type: ignore[assignment]
 
-    # ---- read-outs ----
+    # ---- read-outs (_readouts.py) ----
 
-    @property
-    def uses_fused_apply(self) -> bool:
-        """True when the update is the core's fused pass (SGD, Adam, AdamW)."""
-        return self._loop.update.kind is not None
-
-    @property
-    def micro_step(self) -> int:
-        """Micro-batches accumulated in the current cycle."""
-        return self._loop.cycle.micro_step
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True unless the last ``step()`` or ``flush()`` applied an update (accelerate's
-        prepared scheduler reads it: stepped on every micro-batch, it advances once per
-        update)."""
-        return not self._loop.update_applied
-
-    @property
-    def accumulation_state(self) -> AccumulationState:
-        """The cycle's position, total weight and non-finite flag."""
-        c = self._loop.cycle
-        return AccumulationState(c.micro_step, c.total_weight, c.nonfinite, self._loop.updates)
-
-    @property
-    def reduces_across_ranks(self) -> bool:
-        """Whether the accumulators are reduced over a torch.distributed group once per cycle."""
-        return self._loop.distributed
-
-    @property
-    def collectives(self) -> int:
-        """Collectives launched by this optimizer's reductions so far (0 when not distributed)."""
-        reducer = self._loop.reducer
-        return 0 if reducer is None else reducer.collectives
-
-    @property
-    def bytes_reduced(self) -> int:
-        """Bytes this rank has handed to all-reduce so far."""
-        reducer = self._loop.reducer
-        return 0 if reducer is None else reducer.bytes_reduced
-
-    @property
-    def num_buckets(self) -> int:
-        """Reduction buckets (one collective each per cycle; 0 when not distributed)."""
-        reducer = self._loop.reducer
-        return 0 if reducer is None else reducer.num_buckets
+    uses_fused_apply = _readouts.uses_fused_apply
+    micro_step = _readouts.micro_step
+    step_was_skipped = _readouts.step_was_skipped
+    accumulation_state = _readouts.accumulation_state
+    reduces_across_ranks = _readouts.reduces_across_ranks
+    collectives = _readouts.collectives
+    bytes_reduced = _readouts.bytes_reduced
+    num_buckets = _readouts.num_buckets
 
     def is_boundary_next(self) -> bool:
         """True if the next ``step()`` call ends a cycle (and applies an update)."""
