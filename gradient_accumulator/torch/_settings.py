@@ -1,6 +1,6 @@
 """The optimizer wrapper's settings, as the properties its class takes over: each reads the
-loop's current value and hands a new one, checked (:func:`~._options.checked`), to the loop,
-which applies it between cycles."""
+loop's current value and hands a new one, checked (``_options.checked`` and the other checks),
+to the loop."""
 
 from __future__ import annotations
 
