@@ -591,10 +591,11 @@ class CycleParts:
             grads = [by_id.get(id(v)) for v in trainable_variables]
         self._note_trace(next((g for g in grads if g is not None), None))
         # TensorFlow without a strategy folds the weight as a tensor of the step: this call's,
-        # or the batch size fit's step hands over (callbacks.weighing); else the counter's.
+        # or the batch size fit's step hands over (callbacks.weighing, as the graph of this
+        # call may hold it); else the counter's.
         direct = _BACKEND == "tensorflow" and _strategy() is None
         if weight is None and direct:
-            weight = self.__dict__.get("_step_weight")
+            weight = self._stashed_weight()
         if weight is not None and not direct:
             self._batch_weight.assign(weight)
         overwrite = self._overwrite_maxima(grads, self._micro_step.value, self._seen.value)
