@@ -362,11 +362,13 @@ def boundary(
     unchanged where it is False).
 
     The non-finite verdict: with ``on_nonfinite`` deciding (``"skip"``, ``"raise"``), or with
-    ``check_result``, the cycle's gradient itself (the accumulators ``accs`` times the scale)
-    is checked, at the boundary only: a NaN or Inf of any micro-batch reaches it, and so does
-    a finite sum that overflows float32. Otherwise, under ``mixed_precision``, the flag the
-    fold set per micro-step. ``agree(at, verdict)``, given, returns the verdict the replicas
-    agree on (their sum); the shell calls it here, between the check and the decision.
+    ``check_result`` under ``mixed_precision``, the cycle's gradient itself (the accumulators
+    ``accs`` times the scale) is checked, at the boundary only: a NaN or Inf of any micro-batch
+    reaches it, and so does a finite sum that overflows float32. Otherwise, under
+    ``mixed_precision``, the flag the fold set per micro-step; with neither (``"apply"``), no
+    verdict: the cycle is applied as computed, ``check_result`` or not. ``agree(at, verdict)``,
+    given, returns the verdict the replicas agree on (their sum); the shell calls it here,
+    between the check and the decision.
 
     A good cycle updates and, under ``mixed_precision``, counts towards the loss scale's
     growth; a non-finite one halves the loss scale (``mixed_precision``) or is dropped and
@@ -379,18 +381,21 @@ def boundary(
     if not scaled:
         scale = grad_scale(state.total_weight, state.loss_scale, options, static_scale)
     drops = drops_nonfinite(options)
+    # check_result counts only where a verdict decides anything: with on_nonfinite="apply"
+    # and no loss scaler a non-finite cycle is applied as computed.
+    checks = drops or (check_result and checks_nonfinite(options))
     verdict = state.nonfinite
 
     def finite() -> Any:
         return all_finite(list(accs) if scaled else [a * scale for a in accs])
 
-    if (drops or check_result) and at is True and agree is None:
+    if checks and at is True and agree is None:
         # The update waits for this verdict: it is used as the check gives it, a boolean,
         # with no conversion between the check and the update's conditional.
         do_update = finite()
         skipped = ops.logical_not(do_update)
     else:
-        if drops or check_result:
+        if checks:
 
             def measured() -> Any:
                 return ops.cast(ops.logical_not(finite()), "float32")

@@ -375,16 +375,25 @@ class CycleParts:
         """Averaged, unscaled, clipped gradients in the variables' dtypes.
 
         ``params`` are the variables' current values (traced values on the functional path).
-        ``scale`` None: ``accs`` are scaled already.
+        ``scale`` None: ``accs`` are scaled already. ``overwrite_with_gradient`` variables
+        (whose "gradient" is their next value) are left out of AGC and of the clipping, as
+        Keras leaves them out before it clips.
         """
         grads = list(accs) if scale is None else [a * scale for a in accs]
+        overwrite = [getattr(v, "overwrite_with_gradient", False) for v in variables]
         if self.use_agc:
             index = [self._get_variable_index(v) for v in variables]
             grads = [
-                clip_one(p, g, self.clip_factor, self.eps) if self._agc_mask[i] else g
-                for p, g, i in zip(params, grads, index)
+                clip_one(p, g, self.clip_factor, self.eps) if self._agc_mask[i] and not o else g
+                for p, g, i, o in zip(params, grads, index, overwrite)
             ]
-        grads = self._clip_gradients(grads)
+        if any(overwrite):
+            ordinary = [i for i, o in enumerate(overwrite) if not o]
+            if ordinary:
+                for i, g in zip(ordinary, self._clip_gradients([grads[i] for i in ordinary])):
+                    grads[i] = g
+        else:
+            grads = self._clip_gradients(grads)
         return [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
 
     def _zero_between_cycles(self, idle: bool = False) -> None:
@@ -582,10 +591,11 @@ class CycleParts:
             grads = [by_id.get(id(v)) for v in trainable_variables]
         self._note_trace(next((g for g in grads if g is not None), None))
         # TensorFlow without a strategy folds the weight as a tensor of the step: this call's,
-        # or the batch size fit's step hands over (callbacks.weighing); else the counter's.
+        # or the batch size fit's step hands over (callbacks.weighing, as the graph of this
+        # call may hold it); else the counter's.
         direct = _BACKEND == "tensorflow" and _strategy() is None
         if weight is None and direct:
-            weight = self.__dict__.get("_step_weight")
+            weight = self._stashed_weight()
         if weight is not None and not direct:
             self._batch_weight.assign(weight)
         overwrite = self._overwrite_maxima(grads, self._micro_step.value, self._seen.value)

@@ -103,8 +103,42 @@ def _already_reduced(grads_and_vars: Any) -> list:
     return list(grads_and_vars)
 
 
+def _control_flow_graph(graph: Any) -> bool:
+    """Whether ``graph`` is a branch or loop body of TensorFlow's control flow (built anew
+    with each trace of the graph around it), not a function's (whose traces are cached)."""
+    try:
+        from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+    except ImportError:  # pragma: no cover - the module moved: take none as control flow
+        return False
+    return isinstance(graph, ControlFlowFuncGraph)
+
+
 class StatefulShell:
     """Mixin of GradientAccumulateOptimizer: the stateful fold and boundary."""
+
+    def _stashed_weight(self) -> Any:
+        """The batch size ``fit``'s step stashed (``callbacks.weighing``) where this call may
+        use it, else None (the fold then reads ``counter("batch_weight")``).
+
+        The stash is a tensor of the step's graph: used eagerly, or where this call traces
+        that graph itself or a conditional or loop inside it (built anew with each trace). In
+        a ``tf.function`` of its own inside the step, a capture of it would stay in that
+        function's cached trace, a tensor of a dead graph once the step retraces: not used
+        there. (``weighing`` writes the counter instead of stashing for a ``train_step`` that
+        is not Keras's own, which may apply from such a function.)
+        """
+        stash = self.__dict__.get("_step_weight")
+        if stash is None:
+            return None
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            return stash
+        home = getattr(stash, "graph", None)  # None for an eager tensor
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not home and _control_flow_graph(graph):
+            graph = graph.outer_graph
+        return stash if graph is home else None
 
     def _stateful_apply(
         self, grads: list[Any], variables: list[Any], weight: Any | None = None

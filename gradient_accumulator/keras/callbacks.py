@@ -251,15 +251,22 @@ def weigh_batch(model: Any, *args: Any) -> Any:
 
 
 @contextlib.contextmanager
-def weighing(model: Any, data: Any) -> Iterator[None]:
+def weighing(model: Any, data: Any, stash: bool = True) -> Iterator[None]:
     """TensorFlow and torch: the ``train_step`` run inside weighs its micro-batch by
     ``data``'s number of samples, as :func:`weigh_batch`. TensorFlow without a strategy hands
     the size to the optimizer's fold as a tensor of the step instead of writing it into
     ``counter("batch_weight")``, which the fold would read back: a write, a read and their
-    ordering less per step (a strategy's replicas each write their own)."""
+    ordering less per step (a strategy's replicas each write their own). Not with ``stash``
+    False (a user's own ``train_step``, which may apply from a ``tf.function`` of its own,
+    where the step's tensor cannot be used): the size is written into the counter."""
     opt = find_accumulator(getattr(model, "optimizer", None))
     # The same test as the optimizer's (_parts._apply_micro_batch), which takes the size.
-    if opt is None or keras.backend.backend() != "tensorflow" or _strategy() is not None:
+    if (
+        opt is None
+        or not stash
+        or keras.backend.backend() != "tensorflow"
+        or _strategy() is not None
+    ):
         weigh_batch(model, data)
         yield
         return
@@ -323,11 +330,13 @@ def _weigh_batches(model: Any, fresh: bool = False) -> None:
     else:
         step = model.train_step
         object.__setattr__(model, "_plain_train_step", step)
+    # Keras's own step applies in the step's graph; a user's may apply from a nested function.
+    own = getattr(step, "__func__", None) is keras.Model.train_step
 
     def train_step(*args: Any) -> Any:
         if keras.backend.backend() == "jax":
             return step(weigh_batch(model, *args), args[1])
-        with weighing(model, *args):
+        with weighing(model, *args, stash=own):
             return step(*args)
 
     object.__setattr__(model, "train_step", train_step)

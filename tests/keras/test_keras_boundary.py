@@ -105,6 +105,19 @@ def test_check_result_catches_what_the_per_micro_step_flag_missed():
     assert _numbers(end.state)["loss_scale"] == 512.0
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_check_result_leaves_on_nonfinite_apply_applying(bad):
+    """``check_result`` asks for the cycle's own verdict, which only a loss scaler or a
+    dropping ``on_nonfinite`` uses: under ``"apply"`` without ``mixed_precision`` the cycle
+    is applied as computed, as a plain optimizer applies a NaN or Inf gradient (the shortcut
+    that uses the check as the update's condition took it as a drop)."""
+    options = Options(on_nonfinite="apply")
+    end = _cycle.boundary(_state(skipped=2), options, accs=_accs([1.0, bad]), check_result=True)
+    assert _flag(end.do_update) and not _flag(end.skipped)
+    assert float(ops.convert_to_numpy(end.scale)) == 1 / 8
+    assert _numbers(end.state) == {**RESET, "loss_scale": 1024.0, "growth": 0.0, "skipped": 2.0}
+
+
 def test_the_agreed_verdict_decides():
     seen = []
 

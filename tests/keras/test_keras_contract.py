@@ -152,6 +152,38 @@ def test_overwrite_with_negative_gradients_takes_their_maximum():
     np.testing.assert_allclose(_np(ow), g1, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "clipping", [{"global_clipnorm": 1.0}, {"clipnorm": 0.5}, {"clipvalue": 0.2}], ids=str
+)
+def test_clipping_leaves_overwrite_with_gradient_variables_out(clipping):
+    """Keras takes the ``overwrite_with_gradient`` variables out before it clips: the wrapper's
+    clipping of the cycle's gradient sees only the others, so their update equals a
+    plain optimizer's with the same clipping on the big batch's mean gradient (float32; 1e-6
+    relative), however large the overwrite variable's value (here 100 against gradients of
+    order 1, which a global norm over every variable let shrink the update). Per-variable
+    clipping (``clipnorm``, ``clipvalue``) never mixed them and is held as it was."""
+    k = 2
+    rng = np.random.default_rng(5)
+    micro = rng.normal(size=(k, 2, 2)).astype("float32")
+    amax = [np.full((2, 2), 100.0 * (i + 1), "float32") for i in range(k)]
+    ours = GradientAccumulateOptimizer(keras.optimizers.SGD(1.0), accum_steps=k, **clipping)
+    plain = keras.optimizers.SGD(1.0, **clipping)
+    (ow_ours, v_ours), (ow_plain, v_plain) = _overwrite_pair(), _overwrite_pair()
+    for i in range(k):
+        ours.apply_gradients(
+            [(ops.convert_to_tensor(amax[i]), ow_ours), (ops.convert_to_tensor(micro[i]), v_ours)]
+        )
+    plain.apply_gradients(
+        [
+            (ops.convert_to_tensor(np.maximum(*amax)), ow_plain),
+            (ops.convert_to_tensor(micro.mean(axis=0)), v_plain),
+        ]
+    )
+    np.testing.assert_allclose(_np(v_ours), _np(v_plain), rtol=1e-6)
+    np.testing.assert_allclose(_np(ow_ours), np.maximum(*amax), rtol=1e-6)
+    np.testing.assert_allclose(_np(ow_plain), np.maximum(*amax), rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ALL_OPTIMIZERS)
 def test_weight_decay_every_optimizer(name):
     """Keras's test_gradient_accumulation_with_weigth_decay: 3 micro-batches through the

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from keras_helpers import (
+    BACKEND,
     OPTIMIZERS,
     TOL,
     data,
@@ -191,6 +192,43 @@ def test_plain_model_fit_after_train_on_batch_weighs_batches():
     acc.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # (8, 8), (8, 4)
     assert int(acc.optimizer.iterations) == int(big.optimizer.iterations) == 3
     assert rel_diff(flat(acc), flat(big)) <= TOL
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a train_step's nested tf.function")
+@EAGER
+def test_train_step_that_applies_from_a_nested_tf_function_weighs_every_batch(run_eagerly):
+    """A ``train_step`` of a plain model that calls the wrapper's ``apply`` from a
+    ``tf.function`` of its own. ``fit``'s step hands the wrapper the batch size as a tensor of
+    the step; that function's first trace must not keep it: the second fit's short batch
+    retraces the step (compiled: the kept tensor belonged to a dead graph and the fit raised;
+    eager: the kept tensor weighed every later batch as the first). Two fits, cycles (8, 8)
+    then (8, 4), against the plain model's big batches of 16 then 12 (SGD; 1e-6 relative)."""
+    import tensorflow as tf
+
+    class Nested(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self._apply(tape.gradient(loss, self.trainable_variables))
+            return {"loss": loss}
+
+        @tf.function
+        def _apply(self, grads):
+            self.optimizer.apply(grads, self.trainable_variables)
+
+    x, y = data(28)
+    big = keras.Model(*mlp())
+    big.compile(_sgd(), loss="mse", run_eagerly=run_eagerly)
+    acc = Nested(*mlp())
+    acc.compile(
+        GradientAccumulateOptimizer(_sgd(), accum_steps=2), loss="mse", run_eagerly=run_eagerly
+    )
+    for part, batch in ((slice(0, 16), 16), (slice(16, 28), 12)):
+        big.fit(x[part], y[part], batch_size=batch, shuffle=False, verbose=0)
+        acc.fit(x[part], y[part], batch_size=8, shuffle=False, verbose=0)
+    assert int(acc.optimizer.iterations) == int(big.optimizer.iterations) == 2
+    assert rel_diff(flat(acc), flat(big)) <= 1e-6
 
 
 @EAGER

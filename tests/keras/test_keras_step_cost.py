@@ -136,6 +136,39 @@ def test_tf_train_step_hands_the_batch_size_to_the_fold():
     assert touching == []
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's step graph")
+def test_tf_step_size_is_not_captured_by_a_nested_function():
+    """The step's batch size (``callbacks.weighing``'s stash, a tensor of the step's graph) is
+    used only in that graph: an ``apply`` from a ``tf.function`` nested in the step reads
+    ``counter("batch_weight")`` instead. A capture would stay in the nested function's
+    cached trace and, once the step retraced for another batch size, be a tensor of a dead
+    graph (it raised "out of scope" at the second shape). Two micro-steps of 3 and 5 samples,
+    the counter at 1: a total weight of 2 (exact), the stash unused; then the counter written
+    (4, 2) gives the nested apply those weights."""
+    import tensorflow as tf
+
+    from gradient_accumulator.keras.callbacks import weighing
+
+    opt, variables = _setup(accum_steps=8)
+    model = keras.Model()
+    model.optimizer = opt
+    nested = tf.function(lambda grads: opt.apply(grads, variables))
+
+    @tf.function
+    def step(x):
+        with weighing(model, x):
+            nested(_grads(0))
+
+    for n in (3, 5):  # the second shape retraces the step, not the nested function
+        step(tf.zeros((n, 2)))
+    assert float(opt.counter("total_weight").numpy()) == 2.0
+    for n in (4, 2):
+        opt.counter("batch_weight").assign(float(n))
+        step(tf.zeros((n, 2)))
+    assert float(opt.counter("total_weight").numpy()) == 8.0
+    assert int(opt.micro_steps.numpy()) == 4
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's in-place weighted add")
 def test_tf_in_place_weighted_add_rounds_as_multiply_then_add():
     """Weights that make ``w·g`` inexact: the accumulator after three micro-steps equals the
