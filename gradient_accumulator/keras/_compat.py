@@ -178,6 +178,14 @@ REACHES = (
         "AccumBatchNormalization's micro-batch statistics, computed as BatchNormalization "
         "computes them, for inputs of any rank (keras/layers.py)",
     ),
+    Reach(
+        "tensorflow",
+        "tensorflow.python.ops.control_flow_v2_func_graphs.ControlFlowFuncGraph (the class "
+        "of tf.cond and tf.while_loop graphs)",
+        "2.21.0",
+        "telling a conditional's or loop's graph inside fit's step (where the step's stashed "
+        "batch size may be used) from a tf.function's of the user's own (keras/_tf_shell.py)",
+    ),
 )
 
 

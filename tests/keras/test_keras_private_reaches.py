@@ -315,6 +315,28 @@ def _bn_moments() -> None:
     )
 
 
+def _control_flow_graph() -> None:
+    tf = _tensorflow()
+    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+
+    seen = {}
+
+    @tf.function
+    def step(x):
+        seen["function"] = tf.compat.v1.get_default_graph()
+
+        def branch():
+            seen["cond"] = tf.compat.v1.get_default_graph()
+            return x + 1.0
+
+        return tf.cond(x > 0.0, branch, lambda: x)
+
+    step(tf.constant(1.0))
+    assert isinstance(seen["cond"], ControlFlowFuncGraph)
+    assert not isinstance(seen["function"], ControlFlowFuncGraph)
+    assert seen["cond"].outer_graph is seen["function"]
+
+
 PROBES: dict[str, Callable[[], None]] = dict(
     zip(
         [r.target for r in _compat.REACHES],
@@ -338,6 +360,7 @@ PROBES: dict[str, Callable[[], None]] = dict(
             _instance_train_step,
             _variable_layout,
             _bn_moments,
+            _control_flow_graph,
         ],
     )
 )
