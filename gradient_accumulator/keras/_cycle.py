@@ -381,9 +381,7 @@ def boundary(
     if not scaled:
         scale = grad_scale(state.total_weight, state.loss_scale, options, static_scale)
     drops = drops_nonfinite(options)
-    # check_result counts only where a verdict decides anything: with on_nonfinite="apply"
-    # and no loss scaler a non-finite cycle is applied as computed.
-    checks = drops or (check_result and checks_nonfinite(options))
+    checks = drops or (check_result and checks_nonfinite(options))  # see the docstring
     verdict = state.nonfinite
 
     def finite() -> Any:

@@ -11,7 +11,7 @@ one accumulate pass per micro-step, one fused apply per cycle).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import keras
@@ -33,6 +33,21 @@ from gradient_accumulator.keras._tf_shell import StatefulShell
 from gradient_accumulator.nonfinite import NonFiniteCounter
 
 __all__ = ["GradientAccumulateOptimizer"]
+
+
+def _setting(name: str, doc: str, shown: Callable[[Any], Any] | None = None) -> property:
+    """A setting of the wrapper: read from its options record (through ``shown`` if given),
+    assigned by replacing the record, which checks the value with the other settings and
+    changes nothing when it refuses it (``TypeError``/``ValueError`` naming the setting)."""
+
+    def get(self: Any) -> Any:
+        value = getattr(self._options, name)
+        return value if shown is None else shown(value)
+
+    def set_(self: Any, value: Any) -> None:
+        self._set(**{name: value})
+
+    return property(get, set_, doc=doc)
 
 
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
@@ -174,95 +189,28 @@ class GradientAccumulateOptimizer(
         """Replace settings through the options record: checked together, all or nothing."""
         self._options = self._options.replace(**changes)
 
-    @property
-    def accum_steps(self) -> Any:
-        """Micro-batches per update (may change between cycles)."""
-        return self._options.accum_steps
-
-    @accum_steps.setter
-    def accum_steps(self, value: Any) -> None:
-        self._set(accum_steps=value)
-
-    @property
-    def use_agc(self) -> Any:
-        """Adaptive gradient clipping of the accumulated gradient at the boundary."""
-        return self._options.use_agc
-
-    @use_agc.setter
-    def use_agc(self, value: Any) -> None:
-        self._set(use_agc=value)
-
-    @property
-    def clip_factor(self) -> Any:
-        """AGC's λ."""
-        return self._options.clip_factor
-
-    @clip_factor.setter
-    def clip_factor(self, value: Any) -> None:
-        self._set(clip_factor=value)
-
-    @property
-    def eps(self) -> Any:
-        """AGC's ε, the floor of a unit's weight norm."""
-        return self._options.eps
-
-    @eps.setter
-    def eps(self, value: Any) -> None:
-        self._set(eps=value)
-
-    @property
-    def leftover(self) -> Any:
-        """What :meth:`flush` does with a short cycle: ``"apply"`` or ``"carry"``."""
-        return self._options.leftover
-
-    @leftover.setter
-    def leftover(self, value: Any) -> None:
-        self._set(leftover=value)
-
-    @property
-    def on_nonfinite(self) -> Any:
-        """What a non-finite cycle does: ``"skip"``, ``"raise"`` or ``"apply"``."""
-        return self._options.on_nonfinite
-
-    @on_nonfinite.setter
-    def on_nonfinite(self, value: Any) -> None:
-        self._set(on_nonfinite=value)
-
-    @property
-    def mixed_precision(self) -> Any:
-        """Dynamic loss scaling at cycle level."""
-        return self._options.mixed_precision
-
-    @mixed_precision.setter
-    def mixed_precision(self, value: Any) -> None:
-        self._set(mixed_precision=value)
-
-    @property
-    def initial_scale(self) -> Any:
-        """The first loss scale under ``mixed_precision``."""
-        return self._options.initial_scale
-
-    @initial_scale.setter
-    def initial_scale(self, value: Any) -> None:
-        self._set(initial_scale=value)
-
-    @property
-    def dynamic_growth_steps(self) -> Any:
-        """Good updates between doublings of the loss scale."""
-        return self._options.dynamic_growth_steps
-
-    @dynamic_growth_steps.setter
-    def dynamic_growth_steps(self, value: Any) -> None:
-        self._set(dynamic_growth_steps=value)
-
-    @property
-    def reduction(self) -> str:
-        """``"MEAN"``, ``"SUM"`` or ``"RUNNING_MEAN"`` (assigned in any letter case)."""
-        return keras_reduction(self._options.reduction)
-
-    @reduction.setter
-    def reduction(self, value: Any) -> None:
-        self._set(reduction=value)
+    accum_steps = _setting("accum_steps", "Micro-batches per update (may change between cycles).")
+    use_agc = _setting(
+        "use_agc", "Adaptive gradient clipping of the accumulated gradient at the boundary."
+    )
+    clip_factor = _setting("clip_factor", "AGC's λ.")
+    eps = _setting("eps", "AGC's ε, the floor of a unit's weight norm.")
+    leftover = _setting(
+        "leftover", 'What :meth:`flush` does with a short cycle: ``"apply"`` or ``"carry"``.'
+    )
+    on_nonfinite = _setting(
+        "on_nonfinite", 'What a non-finite cycle does: ``"skip"``, ``"raise"`` or ``"apply"``.'
+    )
+    mixed_precision = _setting("mixed_precision", "Dynamic loss scaling at cycle level.")
+    initial_scale = _setting("initial_scale", "The first loss scale under ``mixed_precision``.")
+    dynamic_growth_steps = _setting(
+        "dynamic_growth_steps", "Good updates between doublings of the loss scale."
+    )
+    reduction = _setting(
+        "reduction",
+        '``"MEAN"``, ``"SUM"`` or ``"RUNNING_MEAN"`` (assigned in any letter case).',
+        shown=keras_reduction,
+    )
 
     # ----------------------------------------------------------------------------- properties
 
