@@ -175,19 +175,22 @@ def _pip(bindir: pathlib.Path, *args: str) -> None:
     subprocess.run([*pip, *args], check=True, env=_clean_env())
 
 
-def _test_command() -> str:
-    """cibuildwheel's test-command for the wheel .ci/run built: the Linux one (which requires
-    the CUDA kernels) for a wheel with them, else the default one."""
+def _test_command(cuda: bool) -> str:
+    """cibuildwheel's test-command: the Linux one (which requires the CUDA kernels) for a wheel
+    with them, else the default one."""
     cibw = _cibuildwheel()
-    if os.environ.get("GA_WHEEL_HAS_CUDA") == "1":
-        return cibw["linux"]["test-command"]
-    return cibw["test-command"]
+    return cibw["linux"]["test-command"] if cuda else cibw["test-command"]
 
 
-def _run_wheel_test_command(bindir: pathlib.Path, cwd: pathlib.Path) -> tuple[str, dict]:
+def _run_wheel_test_command(
+    bindir: pathlib.Path, cwd: pathlib.Path, cuda: bool | None = None
+) -> tuple[str, dict]:
     """cibuildwheel's test-command, {project} substituted, through a shell with ``bindir``'s
-    ``python`` first on PATH, from a folder outside the source tree (as cibuildwheel does)."""
-    command = _test_command().replace("{project}", str(ROOT))
+    ``python`` first on PATH, from a folder outside the source tree (as cibuildwheel does).
+    ``cuda``: whether the wheel has the CUDA kernels (default: whether .ci/run built it so)."""
+    if cuda is None:
+        cuda = os.environ.get("GA_WHEEL_HAS_CUDA") == "1"
+    command = _test_command(cuda).replace("{project}", str(ROOT))
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
     if bindir != pathlib.Path(sys.executable).parent:  # a clean venv: nothing from outside
         env = dict(_clean_env(), PATH=env["PATH"])
@@ -279,9 +282,11 @@ def test_oldest_numpy_and_python_pass_the_wheel_test(tmp_path):
     probe = _probe(bindir, "import sys; print(*sys.version_info[:2])")
     version = tuple(int(v) for v in probe.split())
     numpy = OLDEST_NUMPY[version]
+    cuda = None  # the wheel .ci/run built: with CUDA kernels where it says so
     if version == sys.version_info[:2]:
         wheel = _artifact("GA_WHEEL")
     else:  # a wheel for that Python, built from the sdist (CPU core only)
+        cuda = False
         sdist = _artifact("GA_SDIST")
         subprocess.run(
             [str(bindir / "python"), "-m", "pip", "wheel", "-q", "--no-deps", "-w",
@@ -292,7 +297,7 @@ def test_oldest_numpy_and_python_pass_the_wheel_test(tmp_path):
     requires = [r for r in _cibuildwheel()["test-requires"] if not r.startswith("numpy")]
     _pip(bindir, str(wheel), f"numpy=={numpy}", *requires)
     assert _probe(bindir, "import numpy; print(numpy.__version__)") == numpy
-    out, counts = _run_wheel_test_command(bindir, tmp_path)
+    out, counts = _run_wheel_test_command(bindir, tmp_path, cuda)
     assert counts.get("failed", 0) == 0
     assert counts.get("passed", 0) >= 300, out[-3000:]
 
