@@ -38,6 +38,12 @@ def grad_scale(reduction: str, total_weight: float, loss_scale: float = 1.0) -> 
     return scale / loss_scale
 
 
+def ends_cycle(micro_step: int, accum_steps: int) -> bool:
+    """Whether a cycle that has folded ``micro_step`` micro-steps ends now: at its length, or
+    past it after ``accum_steps`` was lowered (``keras/_cycle.ends_cycle`` in ``keras.ops``)."""
+    return micro_step >= accum_steps
+
+
 def boundary_scale(
     reduction: str,
     total_weight: float,
@@ -270,7 +276,7 @@ class Cycle:
     @property
     def boundary_next(self) -> bool:
         """Whether the next micro-step ends the cycle."""
-        return self._micro_step + 1 >= self._accum_steps
+        return ends_cycle(self._micro_step + 1, self._accum_steps)
 
     def acc_set(self, index: Sequence[int]) -> Any:
         """The accumulators ``index`` as a registered tensor set (made on first use)."""

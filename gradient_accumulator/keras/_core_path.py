@@ -22,7 +22,7 @@ import keras
 import torch
 
 from gradient_accumulator import core
-from gradient_accumulator._engine import Cycle, boundary_rule, boundary_scale
+from gradient_accumulator._engine import Cycle, boundary_rule, boundary_scale, ends_cycle
 from gradient_accumulator.keras._compat import to_numpy
 
 
@@ -225,7 +225,7 @@ class CorePath:
         c.fold(tensors, weight, norm=norm and self.settings.drops_nonfinite)
         self.state.iterations.value.add_(1)
         self._publish(seen=first or c.seen != seen_before)
-        if c.micro_step >= self.settings.accum_steps:
+        if ends_cycle(c.micro_step, self.settings.accum_steps):
             self.boundary()
 
     @torch.no_grad()

@@ -37,6 +37,7 @@ __all__ = [
     "decide",
     "dense",
     "drops_nonfinite",
+    "ends_cycle",
     "epoch_clock",
     "epoch_countdown",
     "fold",
@@ -298,6 +299,12 @@ def on_choice(choice: tuple[Any, list[int], list[int]], update: Callable[[list[i
     if isinstance(pred, bool):
         return update(if_true if pred else if_false)
     return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
+
+
+def ends_cycle(micro_step: Any, accum_steps: Any) -> Any:
+    """Whether a cycle that has folded ``micro_step`` micro-steps ends now (a boolean tensor):
+    ``gradient_accumulator._engine.ends_cycle`` in ``keras.ops``."""
+    return ops.greater_equal(micro_step, accum_steps)
 
 
 def epoch_clock(epoch_steps: Any, steps_left: Any) -> tuple[Any, Any]:

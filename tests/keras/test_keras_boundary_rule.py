@@ -163,3 +163,13 @@ def test_the_table_gives_the_rule_something_to_tell_apart():
     assert reductions == {"mean", "sum", "running_mean"}
     assert len({c[1] for c in CYCLES if c[0] == "mean"}) >= 4
     assert any(c[2] is not None for c in CYCLES)
+
+
+def test_one_end_of_cycle_predicate_per_number_kind():
+    # The micro-step counter at, before and past the cycle's length (accum_steps lowered).
+    for accum_steps in (1, 2, 4, 7):
+        for micro_step in range(0, 10):
+            want = _engine.ends_cycle(micro_step, accum_steps)
+            got = _cycle.ends_cycle(ops.convert_to_tensor(micro_step, "int32"), accum_steps)
+            assert _flag(got) == want, (micro_step, accum_steps)
+            assert want == (micro_step >= accum_steps)
