@@ -218,9 +218,8 @@ class StatefulShell:
                 _axpy(acc, minus_w, g)
             else:
                 _add_to(acc, g)
-        if self.mixed_precision:
-            bad = ops.cast(ops.logical_not(_cycle.all_finite(grads)), "float32")
-            self._nonfinite.assign(ops.maximum(self._nonfinite.value, bad))
+        if self.mixed_precision:  # the flag is zero when a cycle starts here
+            self._nonfinite.assign(_cycle.nonfinite_after(self._nonfinite.value, grads))
         mask = ops.convert_to_tensor(np.asarray(present, "float32"))
         with after(grads[:1]):
             if all(present):
