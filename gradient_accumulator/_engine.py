@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,75 @@ def grad_scale(reduction: str, total_weight: float, loss_scale: float = 1.0) -> 
     else:
         scale = 1.0
     return scale / loss_scale
+
+
+def ends_cycle(micro_step: int, accum_steps: int) -> bool:
+    """Whether a cycle that has folded ``micro_step`` micro-steps ends now: at its length, or
+    past it after ``accum_steps`` was lowered (``keras/_cycle.ends_cycle`` in ``keras.ops``)."""
+    return micro_step >= accum_steps
+
+
+def boundary_scale(
+    reduction: str,
+    total_weight: float,
+    loss_scale: float,
+    *,
+    mixed_precision: bool,
+    static_scale: float | None,
+) -> float:
+    """The boundary's factor on Python numbers: :func:`grad_scale`, then 1/the loss scale under
+    ``mixed_precision``, then 1/the inner optimizer's static factor (``keras/_cycle.grad_scale``
+    is its ``keras.ops`` transcription, which takes 1/max(W, 1e-30) for an empty mean)."""
+    scale = grad_scale(reduction, total_weight)
+    if mixed_precision:
+        scale /= loss_scale
+    if static_scale is not None:
+        scale /= float(static_scale)
+    return scale
+
+
+class BoundaryRule(NamedTuple):
+    """What :func:`boundary_rule` decides: whether the inner optimizer updates, whether the
+    cycle ends without an update as non-finite, and the loss scale, growth counter and count
+    of dropped cycles after the boundary."""
+
+    do_update: bool
+    skipped: bool
+    loss_scale: float
+    growth: int
+    dropped: int
+
+
+def boundary_rule(
+    nonfinite: bool,
+    loss_scale: float,
+    growth: int,
+    dropped: int,
+    *,
+    mixed_precision: bool,
+    drops_nonfinite: bool,
+    growth_steps: int,
+) -> BoundaryRule:
+    """The end of a cycle on Python numbers, the rule ``keras/_cycle.boundary`` transcribes in
+    ``keras.ops`` (held equal to it by ``tests/keras/test_keras_boundary_rule.py``).
+
+    ``nonfinite``: the cycle's verdict (under ``mixed_precision`` the loss scaler's, else, with
+    ``drops_nonfinite``, ``on_nonfinite``'s; with neither it is not looked at). A non-finite
+    cycle halves the loss scale and restarts its growth (``mixed_precision``) or is dropped and
+    counted (``drops_nonfinite``); a good one updates and, under ``mixed_precision``, counts
+    towards doubling the loss scale every ``growth_steps`` good cycles. ``growth`` is read only
+    under ``mixed_precision`` and ``dropped`` only where a cycle is dropped: a caller may pass
+    anything else where it has not read them.
+    """
+    if mixed_precision and nonfinite:
+        return BoundaryRule(False, True, loss_scale * 0.5, 0, dropped)
+    if drops_nonfinite and nonfinite:
+        return BoundaryRule(False, True, loss_scale, growth, dropped + 1)
+    if mixed_precision:
+        growth = growth + 1
+        if growth >= growth_steps:
+            loss_scale, growth = loss_scale * 2.0, 0
+    return BoundaryRule(True, False, loss_scale, growth, dropped)
 
 
 def clip_coef(norm: Any, max_norm: float) -> Any:
@@ -207,7 +276,7 @@ class Cycle:
     @property
     def boundary_next(self) -> bool:
         """Whether the next micro-step ends the cycle."""
-        return self._micro_step + 1 >= self._accum_steps
+        return ends_cycle(self._micro_step + 1, self._accum_steps)
 
     def acc_set(self, index: Sequence[int]) -> Any:
         """The accumulators ``index`` as a registered tensor set (made on first use)."""

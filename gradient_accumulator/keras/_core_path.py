@@ -22,7 +22,7 @@ import keras
 import torch
 
 from gradient_accumulator import core
-from gradient_accumulator._engine import Cycle, grad_scale
+from gradient_accumulator._engine import Cycle, boundary_rule, boundary_scale, ends_cycle
 from gradient_accumulator.keras._compat import to_numpy
 
 
@@ -225,7 +225,7 @@ class CorePath:
         c.fold(tensors, weight, norm=norm and self.settings.drops_nonfinite)
         self.state.iterations.value.add_(1)
         self._publish(seen=first or c.seen != seen_before)
-        if c.micro_step >= self.settings.accum_steps:
+        if ends_cycle(c.micro_step, self.settings.accum_steps):
             self.boundary()
 
     @torch.no_grad()
@@ -234,27 +234,36 @@ class CorePath:
         self._load()
         self._refresh()
         c, s, opts = self.cycle, self.state, self.settings
-        scale = grad_scale(c.reduction, c.total_weight)
         loss_scale = float(s.loss_scale.value)
-        if opts.mixed_precision:
-            scale /= loss_scale
-        if opts.static_scale is not None:
-            scale /= float(opts.static_scale)
+        scale = boundary_scale(
+            c.reduction,
+            c.total_weight,
+            loss_scale,
+            mixed_precision=opts.mixed_precision,
+            static_scale=opts.static_scale,
+        )
         c.collect_device_flag()
-        overflowed = c.nonfinite  # a micro-step's gradient was NaN/Inf
-        dropped = False
+        nonfinite = c.nonfinite  # a micro-step's gradient was NaN/Inf
         if opts.drops_nonfinite:
             # The cycle's result is checked, not only each micro-step: finite gradients can sum
             # to more than float32 holds.
             c.result_norm(c.seen_index(), scale)
             c.collect_device_flag()
-            dropped = c.nonfinite
-        if opts.mixed_precision and overflowed:
-            s.loss_scale.assign(loss_scale * 0.5)
-            s.growth.assign(0)
-        elif dropped:
-            s.skipped.assign(int(s.skipped.value.item()) + 1)
-        else:
+            nonfinite = c.nonfinite
+        # The counters are read only where the rule uses them (see boundary_rule).
+        rule = boundary_rule(
+            nonfinite,
+            loss_scale,
+            int(s.growth.value.item()) if opts.mixed_precision else 0,
+            int(s.skipped.value.item()) if nonfinite and opts.drops_nonfinite else 0,
+            mixed_precision=opts.mixed_precision,
+            drops_nonfinite=opts.drops_nonfinite,
+            growth_steps=opts.dynamic_growth_steps,
+        )
+        dropped = rule.skipped and opts.drops_nonfinite
+        if dropped:
+            s.skipped.assign(rule.dropped)
+        if rule.do_update:
             # A variable without a gradient in the whole cycle is left alone, as plain Keras does.
             keep = set(c.seen_index())
             kind = _fused_kind(self.inner, self.variables, opts.fused)
@@ -267,12 +276,10 @@ class CorePath:
                 self._generic_update(groups, scale)
             elif groups:
                 self._fused_update(kind, groups, scale)
-            if opts.mixed_precision:
-                growth = int(s.growth.value.item()) + 1
-                if growth >= opts.dynamic_growth_steps:
-                    s.loss_scale.assign(loss_scale * 2.0)
-                    growth = 0
-                s.growth.assign(growth)
+        if opts.mixed_precision:  # after the update, which reads neither
+            if rule.loss_scale != loss_scale or rule.skipped:
+                s.loss_scale.assign(rule.loss_scale)
+            s.growth.assign(rule.growth)
         c.reset()
         if c.device_flag is not None:
             s.nonfinite.assign(0.0)

@@ -37,11 +37,13 @@ __all__ = [
     "decide",
     "dense",
     "drops_nonfinite",
+    "ends_cycle",
     "epoch_clock",
     "epoch_countdown",
     "fold",
     "grad_scale",
     "grown_scale",
+    "nonfinite_after",
     "on_choice",
     "seen_choice",
     "traced",
@@ -169,6 +171,15 @@ def _fold_accs(
     return [ops.where(first, g * w, a + g * w) for a, g in zip(accs, grads)]
 
 
+def nonfinite_after(nonfinite: Any, grads: list[Any], first: Any = None) -> Any:
+    """The cycle's non-finite flag after a micro-step with ``grads``: raised (1.0) by a NaN or
+    Inf among them. ``first``: whether the micro-step starts the cycle (the flag restarts);
+    None where the flag was zeroed when the cycle started (TensorFlow's in-place fold)."""
+    bad = ops.cast(ops.logical_not(all_finite(grads)), "float32")
+    before = nonfinite if first is None else ops.where(first, 0.0, nonfinite)
+    return ops.maximum(before, bad)
+
+
 def _seen_after(seen: Any, present: Sequence[bool], first: Any) -> Any:
     """The seen flags after a micro-step in which ``present`` variables have a gradient."""
     mask = ops.convert_to_tensor(np.asarray(present, "float32"))
@@ -196,8 +207,7 @@ def fold(
     w_before = ops.where(first, 0.0, state.total_weight)
     nonfinite = state.nonfinite
     if options.mixed_precision:
-        bad = ops.cast(ops.logical_not(all_finite(grads)), "float32")
-        nonfinite = ops.maximum(ops.where(first, 0.0, state.nonfinite), bad)
+        nonfinite = nonfinite_after(state.nonfinite, grads, first)
     return FoldState(
         accs=state.accs
         if accs_in_place
@@ -298,6 +308,12 @@ def on_choice(choice: tuple[Any, list[int], list[int]], update: Callable[[list[i
     if isinstance(pred, bool):
         return update(if_true if pred else if_false)
     return ops.cond(pred, lambda: update(if_true), lambda: update(if_false))
+
+
+def ends_cycle(micro_step: Any, accum_steps: Any) -> Any:
+    """Whether a cycle that has folded ``micro_step`` micro-steps ends now (a boolean tensor):
+    ``gradient_accumulator._engine.ends_cycle`` in ``keras.ops``."""
+    return ops.greater_equal(micro_step, accum_steps)
 
 
 def epoch_clock(epoch_steps: Any, steps_left: Any) -> tuple[Any, Any]:

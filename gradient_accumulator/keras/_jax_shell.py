@@ -123,7 +123,7 @@ class StatelessShell:
         self._fold(own, _cycle.dense(grads, self._trainable_variables), present)
         # The cycle ends after k micro-steps, or at the last step of fit's epoch (its clock).
         last, own["steps_left"] = _cycle.epoch_clock(own["epoch_steps"], own["steps_left"])
-        boundary = ops.logical_or(ops.greater_equal(own["micro_step"], self.accum_steps), last)
+        boundary = ops.logical_or(_cycle.ends_cycle(own["micro_step"], self.accum_steps), last)
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables, present
         )

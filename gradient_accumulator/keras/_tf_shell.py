@@ -154,7 +154,7 @@ class StatefulShell:
             return
         self._stateful_fold(grads, variables, present, weight)
         # Every op below reads a counter written after the batch, so it is ordered after it.
-        self._end_cycle(ops.greater_equal(self._micro_step, self.accum_steps), variables, present)
+        self._end_cycle(_cycle.ends_cycle(self._micro_step, self.accum_steps), variables, present)
 
     def _in_place_apply(
         self, grads: list[Any], variables: list[Any], present: list[bool], weight: Any
@@ -185,7 +185,7 @@ class StatefulShell:
             return
         # A micro-step counter at or past the cycle's length (after accum_steps was lowered)
         # ends the cycle too, as does the last step of fit's epoch.
-        last = ops.logical_or(ops.greater_equal(step + 1, k), epoch_last)
+        last = ops.logical_or(_cycle.ends_cycle(step + 1, k), epoch_last)
         switch_case(ops.cast(last, "int32"), [lambda: None, end], lowered=False)
 
     def _tick_epoch_clock(self) -> Any:
@@ -218,9 +218,8 @@ class StatefulShell:
                 _axpy(acc, minus_w, g)
             else:
                 _add_to(acc, g)
-        if self.mixed_precision:
-            bad = ops.cast(ops.logical_not(_cycle.all_finite(grads)), "float32")
-            self._nonfinite.assign(ops.maximum(self._nonfinite.value, bad))
+        if self.mixed_precision:  # the flag is zero when a cycle starts here
+            self._nonfinite.assign(_cycle.nonfinite_after(self._nonfinite.value, grads))
         mask = ops.convert_to_tensor(np.asarray(present, "float32"))
         with after(grads[:1]):
             if all(present):

@@ -13,7 +13,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradient_accumulator._engine import REDUCTIONS, Cycle, SplitFold, clip_coef, grad_scale
+from gradient_accumulator._engine import (
+    REDUCTIONS,
+    Cycle,
+    SplitFold,
+    clip_coef,
+    ends_cycle,
+    grad_scale,
+)
 from gradient_accumulator.nonfinite import NonFiniteCounter
 from gradient_accumulator.torch import _params, fsdp
 from gradient_accumulator.torch._guards import held_interrupts
@@ -333,7 +340,7 @@ class Loop:
                 p.grad = None
             self.update_applied = False
             try:
-                if cycle.micro_step >= cycle.accum_steps:
+                if ends_cycle(cycle.micro_step, cycle.accum_steps):
                     self.apply(hooks)
             finally:
                 if views is not None:
