@@ -45,6 +45,11 @@ ga_status ga_cuda_apply(const ga_apply_tensors*, const ga_apply_options*, const 
   return unsupported();
 }
 ga_status ga_cuda_zero(ga_tensor_list, void*) { return unsupported(); }
+ga_status ga_cuda_wgrad_accumulate(const ga_matrix*, const ga_matrix*, const ga_matrix*,
+                                   const ga_accumulate_options*, void*) {
+  return unsupported();
+}
+ga_status ga_cublaslt_load(const char*) { return unsupported(); }
 ga_status ga_cuda_bn_merge(double*, ga_tensor, ga_tensor, double, ga_tensor, ga_tensor, void*) {
   return unsupported();
 }

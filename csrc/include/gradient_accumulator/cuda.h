@@ -14,6 +14,7 @@
 #include "gradient_accumulator/apply.h"
 #include "gradient_accumulator/common.h"
 #include "gradient_accumulator/norms.h"
+#include "gradient_accumulator/wgrad.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -79,6 +80,22 @@ GA_API ga_status ga_cuda_bn_update_running(ga_tensor running_mean, ga_tensor run
 GA_API int ga_cuda_device_count(void);
 
 /** \brief Whether the CUDA kernels can run on this machine (ga_cuda_probe_result.code). */
+/**
+ * \brief ga_wgrad_accumulate on CUDA tensors: acc ← a·acc + b·dyᵀx in one cuBLASLt matmul on
+ *        `stream`, C = D = the fp32 accumulator, compute type fp32 (wgrad.h).
+ *
+ * `dy` and `x`: fp32, bf16 or fp16 (the same), each with one unit stride. Returns
+ * kGaUnsupported (nothing enqueued) where cuBLASLt is not loaded (ga_cublaslt_load) or has no
+ * algorithm for the case: the caller then computes the gradient and calls ga_cuda_accumulate.
+ */
+GA_API ga_status ga_cuda_wgrad_accumulate(const ga_matrix* acc, const ga_matrix* dy,
+                                          const ga_matrix* x, const ga_accumulate_options* options,
+                                          void* stream);
+
+/** \brief Load cuBLASLt from `path`, or by its soname when `path` is NULL (the one the CUDA
+ * runtime of this build pairs with). Idempotent once it succeeded. */
+GA_API ga_status ga_cublaslt_load(const char* path);
+
 typedef enum ga_cuda_availability {
   kGaCudaAvailable = 0,    /**< kernels built, a driver that runs them, at least one device */
   kGaCudaNotBuilt = 1,     /**< this build has no CUDA kernels */

@@ -9,5 +9,6 @@
 #include "gradient_accumulator/common.h"
 #include "gradient_accumulator/cuda.h"
 #include "gradient_accumulator/norms.h"
+#include "gradient_accumulator/wgrad.h"
 
 #endif /* GRADIENT_ACCUMULATOR_GRADIENT_ACCUMULATOR_H_ */
