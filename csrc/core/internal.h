@@ -177,6 +177,15 @@ void check_disjoint(const std::vector<Range>& written, const std::vector<Range>&
 // ---- validation of each op family, shared by the CPU and CUDA entry points: everything is
 // checked before anything is written; `device` selects the device and dtype rules ----
 
+/// The accumulate formula's coefficients: acc ← alpha·acc + beta·g for these options (checked;
+/// `fp32`: the accumulators are float32, so both must fit it).
+void accumulate_coefficients(const ga_accumulate_options& options, bool fp32, double* alpha,
+                             double* beta);
+/// ga_wgrad_accumulate's checks (CPU and CUDA): shapes chain, dtypes, devices, the accumulator
+/// dense and disjoint from the inputs; the accumulate formula's coefficients out.
+void validate_wgrad(const ga_matrix* acc, const ga_matrix* dy, const ga_matrix* x,
+                    const ga_accumulate_options* options, ga_device_type device, double* alpha,
+                    double* beta);
 void validate_accumulate(const ga_tensor_list& accumulators, const ga_tensor_list& grads,
                          const ga_accumulate_options* options, ga_device_type device, double* alpha,
                          double* beta);

@@ -211,6 +211,47 @@ py::tuple accumulate(py::handle accumulators, py::handle grads, double weight,
   return py::make_tuple(r.nonfinite != 0, compute_sumsq ? py::cast(r.sumsq) : py::none());
 }
 
+ga_dtype parse_dtype(const std::string& name) {
+  if (name == "float32") return kGaFloat32;
+  if (name == "bfloat16") return kGaBFloat16;
+  if (name == "float16") return kGaFloat16;
+  throw py::value_error("dtype must be 'float32', 'bfloat16' or 'float16', got '" + name + "'");
+}
+
+/// A 2-D tensor as the core's strided matrix (a dimension of size 1 has stride 0 here).
+ga_matrix as_matrix(const TensorRef& t, const std::string& name) {
+  if (t.layout.shape.size() != 2)
+    throw py::value_error(name + " must be 2-D, got " + std::to_string(t.layout.shape.size()) +
+                          " dimensions");
+  return ga_matrix{t.desc, t.layout.shape[0], t.layout.shape[1], t.layout.strides[0],
+                   t.layout.strides[1]};
+}
+
+/// acc ← a·acc + b·dyᵀx (wgrad.h). Returns (True, "") when done, (False, reason) when the
+/// build, the loaded libraries or the CPU have no fused path for it (nothing written); raises
+/// on bad arguments.
+py::tuple wgrad_accumulate(py::handle acc, py::handle dy, py::handle x, double weight,
+                           const std::string& mode, double weight_before, bool overwrite,
+                           uintptr_t stream) {
+  ga_accumulate_options o{parse_mode(mode), weight, weight_before, overwrite ? 1 : 0};
+  TensorRef a = import_tensor(acc, "acc", true);
+  TensorRef d = import_tensor(dy, "dy", false);
+  TensorRef in = import_tensor(x, "x", false);
+  const ga_matrix am = as_matrix(a, "acc"), dm = as_matrix(d, "dy"), xm = as_matrix(in, "x");
+  ga_status status;
+  std::string why;
+  {
+    py::gil_scoped_release release;
+    status = a.desc.device_type == kGaCUDA
+                 ? ga_cuda_wgrad_accumulate(&am, &dm, &xm, &o, as_stream(stream))
+                 : ga_wgrad_accumulate(&am, &dm, &xm, &o);
+    if (status == kGaUnsupported) why = ga_last_error();
+  }
+  if (status == kGaUnsupported) return py::make_tuple(false, why);
+  call_core([&] { return status; });  // unreachable for kGaOk; re-raises the others
+  return py::make_tuple(true, std::string());
+}
+
 py::object sum_of_squares(py::handle tensors, uintptr_t stream, const py::object& out) {
   Tensors t = tensor_list(tensors, "tensors", false);
   const ga_device_type dev = t.is_cuda() ? kGaCUDA : kGaCPU;
@@ -526,6 +567,36 @@ PYBIND11_MODULE(_C, m) {
         py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"), py::arg("compute_sumsq"),
         py::arg("stream") = 0, py::arg("nonfinite_out") = py::none(),
         py::arg("sumsq_out") = py::none());
+  m.def("wgrad_accumulate", &wgrad_accumulate, py::arg("acc"), py::arg("dy"), py::arg("x"),
+        py::arg("weight"), py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
+        py::arg("stream") = 0);
+  m.def("onednn_load", [](const py::object& path) {
+    const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
+    ga_status s;
+    {
+      py::gil_scoped_release release;
+      s = ga_onednn_load(path.is_none() ? nullptr : p.c_str());
+    }
+    return py::make_tuple(s == kGaOk, s == kGaOk ? std::string() : std::string(ga_last_error()));
+  }, py::arg("path") = py::none());
+  m.def("cublaslt_load", [](const py::object& path) {
+    const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
+    ga_status s;
+    {
+      py::gil_scoped_release release;
+      s = ga_cublaslt_load(path.is_none() ? nullptr : p.c_str());
+    }
+    return py::make_tuple(s == kGaOk, s == kGaOk ? std::string() : std::string(ga_last_error()));
+  }, py::arg("path") = py::none());
+  m.def("wgrad_cpu_path", [](const std::string& dtype, int64_t n, int64_t out, int64_t in) {
+    char what[512] = {0};
+    int fused;
+    {
+      py::gil_scoped_release release;
+      fused = ga_wgrad_cpu_path(parse_dtype(dtype), n, out, in, what, sizeof(what));
+    }
+    return py::make_tuple(fused != 0, std::string(what));
+  }, py::arg("dtype"), py::arg("n"), py::arg("out"), py::arg("in_features"));
   m.def("sum_of_squares", &sum_of_squares, py::arg("tensors"), py::arg("stream") = 0,
         py::arg("out") = py::none());
   m.def("unitwise_norm", &unitwise_norm, py::arg("tensor"), py::arg("norms"), py::arg("num_units"),
