@@ -481,6 +481,26 @@ class Cycle:
     def fold_one(self, i: int, grad: torch.Tensor, weight: float) -> None:
         """Fold accumulator ``i``'s gradient during the backward of the micro-step that
         :meth:`fold` will count next (its weight is counted now, once)."""
+
+        def write(acc: torch.Tensor, weight_before: float, overwrite: bool) -> bool:
+            r = core.accumulate(
+                [acc],
+                [grad],
+                weight=weight,
+                mode=self._mode,
+                weight_before=weight_before,
+                overwrite=overwrite,
+                nonfinite_out=self._device_flag,
+            )
+            return bool(r.nonfinite) if not self.cuda else False
+
+        self.fold_early(i, weight, write)
+
+    def fold_early(self, i: int, weight: float, write: Any) -> None:
+        """Fold a gradient into accumulator ``i`` during a backward, the way :meth:`fold_one`
+        does, with ``write(acc, weight_before, overwrite) -> nonfinite`` doing the writing (the
+        accumulate formula of this cycle's mode with ``weight``): a gradient, or a fused
+        layer's GEMM that never forms one."""
         self._sumsq = None
         if not self._early:
             self._early = True
@@ -490,19 +510,14 @@ class Cycle:
         fresh = i not in self._early_index and (
             self._micro_step == 0 or (not self._seen[i] and self.reduction != "running_mean")
         )
-        r = core.accumulate(
-            [self._accs[i]],
-            [grad],
-            weight=weight,
-            mode=self._mode,
-            weight_before=self._total_weight - weight,
-            overwrite=fresh,
-            nonfinite_out=self._device_flag,
-        )
-        if not self.cuda:
-            self._nonfinite |= r.nonfinite
+        self._nonfinite |= write(self._accs[i], self._total_weight - weight, fresh)
         self._seen[i] = True
         self._early_index.add(i)
+
+    @property
+    def mode(self) -> str:
+        """The accumulate formula's mode (``"sum"`` or ``"running_mean"``) of the reduction."""
+        return self._mode
 
     # ---- the boundary ----
 

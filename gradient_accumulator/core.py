@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -67,6 +68,8 @@ __all__ = [
     "tensor_set",
     "unit_layout",
     "unitwise_norm",
+    "wgrad_accumulate",
+    "wgrad_path",
     "zero",
 ]
 
@@ -408,6 +411,113 @@ def accumulate(
         nonfinite_out=nonfinite_out,
     )
     return AccumulateResult(bool(nonfinite), sumsq)
+
+
+def _onednn_library() -> str | None:
+    """Where oneDNN's library is: ``GA_ONEDNN_LIBRARY``, else the onednn-cpu-gomp package's
+    ``libdnnl.so.3`` (pip puts it in the environment's ``lib``), else None (the soname)."""
+    path = os.environ.get("GA_ONEDNN_LIBRARY")
+    if path:
+        return path
+    import importlib.metadata as metadata
+
+    for name in ("onednn-cpu-gomp", "onednn"):
+        try:
+            files = metadata.distribution(name).files or ()
+        except metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.name == "libdnnl.so.3":
+                return os.path.abspath(str(f.locate()))
+    return None
+
+
+_LOADED: dict[str, tuple[bool, str]] = {}
+
+
+def _load_library(kind: str) -> tuple[bool, str]:
+    """Load oneDNN (``"cpu"``) or cuBLASLt (``"cuda"``) into the core once; (loaded, why not)."""
+    done = _LOADED.get(kind)
+    if done is None:
+        core = load_core()
+        if kind == "cpu":
+            done = tuple(core.onednn_load(_onednn_library()))
+        else:
+            done = tuple(core.cublaslt_load(os.environ.get("GA_CUBLASLT_LIBRARY")))
+        _LOADED[kind] = done
+    return done
+
+
+def wgrad_path(dtype: str, n: int, out_features: int, in_features: int) -> tuple[bool, str]:
+    """Which path a fused weight-gradient fold of this shape takes on the CPU.
+
+    Returns:
+        ``(True, "onednn:<kernel>")`` where oneDNN has a kernel for ``dtype`` (``"float32"``,
+        ``"bfloat16"`` or ``"float16"``) on this CPU, else ``(False, reason)``: oneDNN is not
+        installed (``pip install onednn-cpu-gomp``), or has no kernel for the dtype here.
+    """
+    _load_library("cpu")
+    fused, what = load_core().wgrad_cpu_path(dtype, int(n), int(out_features), int(in_features))
+    return bool(fused), str(what)
+
+
+def wgrad_accumulate(
+    acc: Tensor,
+    dy: Tensor,
+    x: Tensor,
+    *,
+    weight: float = 1.0,
+    mode: str = "sum",
+    weight_before: float = 0.0,
+    overwrite: bool = False,
+) -> tuple[bool, str]:
+    """Fold a linear layer's weight gradient dyᵀx into its fp32 accumulator in one GEMM.
+
+    For y = x·Wᵀ with ``x`` of shape (n, in), ``dy`` (n, out) and ``acc`` (out, in), this is
+    :func:`accumulate` of the gradient dyᵀx — the same ``weight``, ``mode``, ``weight_before``
+    and ``overwrite`` — without the gradient ever being formed: the GEMM (oneDNN on the CPU,
+    cuBLASLt on CUDA) writes the accumulator with the product scaled by the weight added in,
+    in fp32.
+
+    Args:
+        acc: float32 (out, in), dense and row-major; updated in place.
+        dy, x: float32, bfloat16 or float16 (the same), 2-D, any dense layout.
+
+    Returns:
+        ``(True, "")`` when folded; ``(False, reason)`` with nothing written where this build,
+        machine or dtype has no fused path (see :func:`wgrad_path`): the caller then forms the
+        gradient and calls :func:`accumulate`.
+
+    Raises:
+        ValueError / TypeError: shapes that do not chain, dtypes, devices, a bad weight.
+
+    Example:
+        >>> import numpy as np
+        >>> acc = np.zeros((2, 3), np.float32)
+        >>> dy, x = np.ones((4, 2), np.float32), np.ones((4, 3), np.float32)
+        >>> done, why = core.wgrad_accumulate(acc, dy, x, weight=0.5, overwrite=True)
+        >>> bool(not done or acc[0, 0] == 2.0)
+        True
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    weight = _check_real(weight, "weight")
+    weight_before = _check_real(weight_before, "weight_before")
+    cuda = _cuda_adapter(acc)
+    stream = 0
+    if cuda is not None:
+        _load_library("cuda")
+        stream = _stream(cuda, acc)
+        with _on_device(cuda, acc):
+            done, why = load_core().wgrad_accumulate(
+                acc, dy, x, weight, mode, weight_before, bool(overwrite), stream
+            )
+        return bool(done), str(why)
+    _load_library("cpu")
+    done, why = load_core().wgrad_accumulate(
+        acc, dy, x, weight, mode, weight_before, bool(overwrite), stream
+    )
+    return bool(done), str(why)
 
 
 def sum_of_squares(tensors: Sequence[Tensor]) -> Any:

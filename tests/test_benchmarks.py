@@ -50,6 +50,17 @@ def test_torch_step_runs_and_cross_checks():
     assert float(match.group(1)) <= 1e-6
 
 
+def test_fused_wgrad_runs_and_cross_checks():
+    pytest.importorskip("torch")
+    proc = _run_benchmark(str(BENCHMARKS / "fused_wgrad.py"), "--small")
+    assert proc.returncode == 0, f"fused_wgrad.py exited {proc.returncode}:\n{proc.stderr}"
+    diffs = [float(d) for d in re.findall(r"fused vs unfused: max rel diff (\S+)", proc.stdout)]
+    assert len(diffs) == 4, proc.stdout  # fp32 and bf16, 1 and 2 threads
+    assert max(diffs[:2]) <= 1e-6 and max(diffs[2:]) <= 1e-2, diffs
+    for ratio in ("fused ÷ unfused", "fused ÷ torch .grad", "fused ÷ fresh"):
+        assert ratio in proc.stdout
+
+
 def _run_benchmark(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     pkg_parent = str(Path(gradient_accumulator.__file__).resolve().parents[1])
     return subprocess.run(

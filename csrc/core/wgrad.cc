@@ -4,9 +4,14 @@
 //
 // oneDNN is loaded at run time (dlopen), never linked: the core imports and works without it,
 // and a CPU or dtype oneDNN has no kernel for is reported (ga_wgrad_cpu_path) and refused with
-// kGaUnsupported, nothing written, so the caller folds a computed gradient instead. Only the
+// kGaUnsupported, nothing written, so the caller folds a computed gradient instead. bf16/fp16
+// inputs on a CPU whose oneDNN has no kernel for them are widened to fp32 (into per-thread
+// scratch the size of the inputs, not of the weight) and take the fp32 kernel: the product is
+// then summed in fp32 from the exact input values, as the bf16 kernel would. Only the
 // types and constants of oneDNN's C headers (3.x) are compiled in; without the headers every
 // entry point here says so.
+#include "gradient_accumulator/wgrad.h"
+
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -14,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gradient_accumulator/wgrad.h"
+#include "formulas.h"
 #include "internal.h"
 
 #if defined(GA_HAVE_ONEDNN)
@@ -46,8 +51,8 @@ void validate_wgrad(const ga_matrix* acc, const ga_matrix* dy, const ga_matrix* 
                                        checked_mul(m->cols - 1, m->col_stride, name), name);
       if (last >= m->tensor.numel)
         fail(kGaInvalidArgument, name,
-             std::string(name) + "'s strides reach past its " +
-                 std::to_string(m->tensor.numel) + " elements");
+             std::string(name) + "'s strides reach past its " + std::to_string(m->tensor.numel) +
+                 " elements");
     }
   }
   if (device == kGaCUDA) {
@@ -197,8 +202,8 @@ ga_status load(const char* path) {
     return kGaUnsupported;
   }
   const dnnl_version_t* v = a.version();
-  lib.version = std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
-                std::to_string(v->patch);
+  lib.version =
+      std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
   if (v->major != DNNL_VERSION_MAJOR) {
     lib.why = std::string(name) + " is oneDNN " + lib.version + "; this build takes oneDNN " +
               std::to_string(DNNL_VERSION_MAJOR) + ".x";
@@ -310,7 +315,8 @@ Entry create(const Api& a, dnnl_engine_t engine, const Key& k) {
     if (st == dnnl_success) st = a.post_ops_append_sum(ops, 1.0f, 0, dnnl_data_type_undef);
     if (st == dnnl_success) st = a.attr_set_post_ops(attr, ops);
   }
-  if (st == dnnl_success) st = a.matmul_pd_create(&pd, engine, src_md, wei_md, nullptr, dst_md, attr);
+  if (st == dnnl_success)
+    st = a.matmul_pd_create(&pd, engine, src_md, wei_md, nullptr, dst_md, attr);
   if (st == dnnl_success) {
     const char* impl = nullptr;
     if (a.pd_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success && impl != nullptr)
@@ -328,10 +334,32 @@ Entry create(const Api& a, dnnl_engine_t engine, const Key& k) {
     if (md != nullptr) a.md_destroy(md);
   if (st != dnnl_success) {
     destroy(a, e);
-    e.what = std::string(dtype_name(static_cast<ga_dtype>(k.dtype))) + " inputs: " +
-             status_text(st);
+    e.what =
+        std::string(dtype_name(static_cast<ga_dtype>(k.dtype))) + " inputs: " + status_text(st);
   }
   return e;
+}
+
+// `m`'s elements as a dense row-major fp32 matrix in `buf`.
+ga_matrix widened(const ga_matrix& m, std::vector<float>& buf) {
+  buf.resize(static_cast<size_t>(m.rows * m.cols));
+  const uint16_t* src = static_cast<const uint16_t*>(m.tensor.data);
+  const bool bf16 = m.tensor.dtype == kGaBFloat16;
+  for (int64_t r = 0; r < m.rows; ++r) {
+    float* out = buf.data() + r * m.cols;
+    const uint16_t* in = src + r * m.row_stride;
+    for (int64_t c = 0; c < m.cols; ++c) {
+      const uint16_t v = in[c * m.col_stride];
+      out[c] = bf16 ? ga::formulas::bf16_to_float(v) : ga::formulas::half_to_float(v);
+    }
+  }
+  ga_matrix w = m;
+  w.tensor.data = buf.data();
+  w.tensor.dtype = kGaFloat32;
+  w.tensor.numel = m.rows * m.cols;
+  w.row_stride = m.cols;
+  w.col_stride = 1;
+  return w;
 }
 
 Key key_of(const ga_matrix& dy, const ga_matrix& x, bool add) {
@@ -410,21 +438,33 @@ ga_status ga_wgrad_accumulate(const ga_matrix* acc, const ga_matrix* dy, const g
     std::string why;
     if (!loaded(lib, &why)) fail(kGaUnsupported, "", why);
     Cache& cache = thread_cache(lib);
-    Entry& e = entry(lib, cache, key_of(*dy, *x, !overwrite));
-    if (e.prim == nullptr) fail(kGaUnsupported, "dy", e.what);
+    const ga_matrix* dm = dy;
+    const ga_matrix* xm = x;
+    Entry* e = &entry(lib, cache, key_of(*dm, *xm, !overwrite));
+    ga_matrix dy32, x32;
+    if (e->prim == nullptr && dy->tensor.dtype != kGaFloat32) {
+      // No bf16/fp16 kernel on this CPU: the fp32 one on widened copies of the inputs.
+      static thread_local std::vector<float> dy_buf, x_buf;
+      dy32 = widened(*dy, dy_buf);
+      x32 = widened(*x, x_buf);
+      dm = &dy32;
+      xm = &x32;
+      e = &entry(lib, cache, key_of(*dm, *xm, !overwrite));
+    }
+    if (e->prim == nullptr) fail(kGaUnsupported, "dy", e->what);
     const Api& a = lib.api;
     // A running mean scales what the accumulator held first; the GEMM then adds (sum 1).
     if (!overwrite) scale_in_place(*acc, alpha, false);
     float scale = static_cast<float>(beta);
-    a.memory_set_data_handle(e.src, dy->tensor.data);
-    a.memory_set_data_handle(e.wei, x->tensor.data);
-    a.memory_set_data_handle(e.dst, acc->tensor.data);
-    a.memory_set_data_handle(e.scale, &scale);
-    const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, e.src},
-                                    {DNNL_ARG_WEIGHTS, e.wei},
-                                    {DNNL_ARG_DST, e.dst},
-                                    {DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, e.scale}};
-    dnnl_status_t st = a.primitive_execute(e.prim, cache.stream, 4, args);
+    a.memory_set_data_handle(e->src, dm->tensor.data);
+    a.memory_set_data_handle(e->wei, xm->tensor.data);
+    a.memory_set_data_handle(e->dst, acc->tensor.data);
+    a.memory_set_data_handle(e->scale, &scale);
+    const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, e->src},
+                                    {DNNL_ARG_WEIGHTS, e->wei},
+                                    {DNNL_ARG_DST, e->dst},
+                                    {DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, e->scale}};
+    dnnl_status_t st = a.primitive_execute(e->prim, cache.stream, 4, args);
     if (st == dnnl_success) st = a.stream_wait(cache.stream);
     if (st != dnnl_success) fail(kGaRuntimeError, "", "oneDNN matmul failed: " + status_text(st));
 #else
@@ -437,8 +477,7 @@ ga_status ga_wgrad_accumulate(const ga_matrix* acc, const ga_matrix* dy, const g
   });
 }
 
-int ga_wgrad_cpu_path(ga_dtype dtype, int64_t n, int64_t out, int64_t in, char* what,
-                      size_t len) {
+int ga_wgrad_cpu_path(ga_dtype dtype, int64_t n, int64_t out, int64_t in, char* what, size_t len) {
 #if defined(GA_HAVE_ONEDNN)
   Library& lib = library();
   std::string why;
@@ -454,9 +493,16 @@ int ga_wgrad_cpu_path(ga_dtype dtype, int64_t n, int64_t out, int64_t in, char* 
   const ga_status s = guarded([&] {
     ga_matrix dy{{nullptr, n * out, dtype, kGaCPU, 0}, n, out, out, 1};
     ga_matrix x{{nullptr, n * in, dtype, kGaCPU, 0}, n, in, in, 1};
-    Entry& e = entry(lib, thread_cache(lib), key_of(dy, x, true));
-    write_what(what, len, e.what);
-    fused = e.prim != nullptr;
+    Cache& cache = thread_cache(lib);
+    Entry* e = &entry(lib, cache, key_of(dy, x, true));
+    std::string said = e->what;
+    if (e->prim == nullptr && dtype != kGaFloat32) {
+      dy.tensor.dtype = x.tensor.dtype = kGaFloat32;
+      e = &entry(lib, cache, key_of(dy, x, true));
+      if (e->prim != nullptr) said = e->what + " on inputs widened to float32 (" + said + ")";
+    }
+    write_what(what, len, said);
+    fused = e->prim != nullptr;
   });
   if (s != kGaOk) write_what(what, len, ga_last_error());
   return fused;

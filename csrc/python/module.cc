@@ -570,33 +570,44 @@ PYBIND11_MODULE(_C, m) {
   m.def("wgrad_accumulate", &wgrad_accumulate, py::arg("acc"), py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
         py::arg("stream") = 0);
-  m.def("onednn_load", [](const py::object& path) {
-    const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
-    ga_status s;
-    {
-      py::gil_scoped_release release;
-      s = ga_onednn_load(path.is_none() ? nullptr : p.c_str());
-    }
-    return py::make_tuple(s == kGaOk, s == kGaOk ? std::string() : std::string(ga_last_error()));
-  }, py::arg("path") = py::none());
-  m.def("cublaslt_load", [](const py::object& path) {
-    const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
-    ga_status s;
-    {
-      py::gil_scoped_release release;
-      s = ga_cublaslt_load(path.is_none() ? nullptr : p.c_str());
-    }
-    return py::make_tuple(s == kGaOk, s == kGaOk ? std::string() : std::string(ga_last_error()));
-  }, py::arg("path") = py::none());
-  m.def("wgrad_cpu_path", [](const std::string& dtype, int64_t n, int64_t out, int64_t in) {
-    char what[512] = {0};
-    int fused;
-    {
-      py::gil_scoped_release release;
-      fused = ga_wgrad_cpu_path(parse_dtype(dtype), n, out, in, what, sizeof(what));
-    }
-    return py::make_tuple(fused != 0, std::string(what));
-  }, py::arg("dtype"), py::arg("n"), py::arg("out"), py::arg("in_features"));
+  m.def(
+      "onednn_load",
+      [](const py::object& path) {
+        const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
+        ga_status s;
+        {
+          py::gil_scoped_release release;
+          s = ga_onednn_load(path.is_none() ? nullptr : p.c_str());
+        }
+        return py::make_tuple(s == kGaOk,
+                              s == kGaOk ? std::string() : std::string(ga_last_error()));
+      },
+      py::arg("path") = py::none());
+  m.def(
+      "cublaslt_load",
+      [](const py::object& path) {
+        const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
+        ga_status s;
+        {
+          py::gil_scoped_release release;
+          s = ga_cublaslt_load(path.is_none() ? nullptr : p.c_str());
+        }
+        return py::make_tuple(s == kGaOk,
+                              s == kGaOk ? std::string() : std::string(ga_last_error()));
+      },
+      py::arg("path") = py::none());
+  m.def(
+      "wgrad_cpu_path",
+      [](const std::string& dtype, int64_t n, int64_t out, int64_t in) {
+        char what[512] = {0};
+        int fused;
+        {
+          py::gil_scoped_release release;
+          fused = ga_wgrad_cpu_path(parse_dtype(dtype), n, out, in, what, sizeof(what));
+        }
+        return py::make_tuple(fused != 0, std::string(what));
+      },
+      py::arg("dtype"), py::arg("n"), py::arg("out"), py::arg("in_features"));
   m.def("sum_of_squares", &sum_of_squares, py::arg("tensors"), py::arg("stream") = 0,
         py::arg("out") = py::none());
   m.def("unitwise_norm", &unitwise_norm, py::arg("tensor"), py::arg("norms"), py::arg("num_units"),

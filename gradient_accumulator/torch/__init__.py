@@ -25,6 +25,12 @@ from gradient_accumulator.torch.batchnorm import (
     flush_batchnorm,
 )
 from gradient_accumulator.torch.context import accumulate
+from gradient_accumulator.torch.fused import (
+    FusedLinear,
+    FusionReport,
+    fuse_accumulation,
+    fused_path,
+)
 from gradient_accumulator.torch.optimizer import AccumulationState, GradientAccumulateOptimizer
 
 __all__ = [
@@ -33,10 +39,14 @@ __all__ = [
     "AccumBatchNorm3d",
     "AccumSyncBatchNorm",
     "AccumulationState",
+    "FusedLinear",
+    "FusionReport",
     "GradientAccumulateOptimizer",
     "accumulate",
     "adaptive_clip_grad",
     "convert_batchnorm",
     "flush_batchnorm",
+    "fuse_accumulation",
+    "fused_path",
     "unitwise_norm",
 ]

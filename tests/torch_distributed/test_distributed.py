@@ -22,6 +22,7 @@ from gradient_accumulator.torch import (  # noqa: E402
     AccumBatchNorm1d,
     GradientAccumulateOptimizer,
     accumulate,
+    fuse_accumulation,
 )
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs Gloo")
@@ -127,6 +128,8 @@ def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
                 return default_hooks.allreduce_hook(None, bucket)
 
             model.register_comm_hook(None, counting_hook)
+        if cfg.get("fuse"):
+            assert fuse_accumulation(model, opt).fused == ["fc1", "fc2", "extra"]
         x, y = _data(cfg)
         calls = []
         count = {"n": 0}
@@ -229,6 +232,14 @@ def test_uneven_ranks_match_global_big_batch(world, opt, tmp_path):
 def test_ddp_model_inside_accumulate_matches(overlap, tmp_path):
     """A DDP-wrapped model: accumulate() silences DDP, the optimizer's round replaces it."""
     _check({**BASE, "world": 2, "opt": "adamw", "ddp": True, "overlap": overlap}, tmp_path)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
+def test_fused_layers_match_over_ranks(ddp, tmp_path):
+    """fuse_accumulation: the GEMMs write the accumulators the one reduction per cycle sums."""
+    _check(
+        {**BASE, "world": 2, "opt": "adamw", "ddp": ddp, "overlap": False, "fuse": True}, tmp_path
+    )
 
 
 def test_reduce_after_backward_matches(tmp_path):

@@ -1,0 +1,168 @@
+"""CPU benchmark of fuse_accumulation: the weight-gradient GEMM writing the fp32 accumulator.
+
+Model: four ``nn.Linear`` of widths 1024-2048 with GELU between them (a GPT-2-like MLP stack,
+no bias on the widest), a fixed micro-batch of ``--tokens`` rows, fp32 and bf16 parameters,
+1 and 2 threads. All rows of a section run round-robin in one process (median of the repeats):
+
+* ``fresh``: forward + backward writing fresh ``.grad`` (``zero_grad()`` before): no
+  accumulation at all, the floor.
+* ``torch .grad``: forward + ``loss.backward()`` adding into the existing ``.grad`` (plain
+  torch accumulation, no wrapper).
+* ``unfused``: forward + backward + ``opt.step()`` + ``opt.zero_grad()`` of a
+  ``GradientAccumulateOptimizer`` whose cycle never ends (a mid-cycle micro-step: the step
+  folds ``.grad`` into the fp32 accumulators, a second pass).
+* ``fused``: the same with ``fuse_accumulation(model, opt)``: the GEMMs write the
+  accumulators during the backward; ``step()`` has nothing left to fold.
+
+Then the weight-gradient GEMM alone at 1024×1024×1024 (fp32): ``core.wgrad_accumulate``
+against ``torch.mm`` + ``acc.add_``, and the gradient bytes alive after a backward (the
+temporary the fused path does not make). Prints ratios; no asserts.
+
+Run: ``python benchmarks/fused_wgrad.py`` (``--small`` for a quick check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from gradient_accumulator import core
+from gradient_accumulator.torch import GradientAccumulateOptimizer, fuse_accumulation, fused_path
+
+
+def _model(dtype: torch.dtype, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    w2 = 2 * width
+    return nn.Sequential(
+        nn.Linear(width, w2),
+        nn.GELU(),
+        nn.Linear(w2, width),
+        nn.GELU(),
+        nn.Linear(width, w2, bias=False),
+        nn.GELU(),
+        nn.Linear(w2, width),
+    ).to(dtype)
+
+
+class _Variant:
+    def __init__(self, name: str, dtype: torch.dtype, width: int) -> None:
+        self.name = name
+        self.model = _model(dtype, width)
+        self.opt = None
+        if name in ("unfused", "fused"):
+            inner = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+            self.opt = GradientAccumulateOptimizer(inner, 10**9, overlap_reduce=False)
+            if name == "fused":
+                fuse_accumulation(self.model, self.opt)
+
+    def micro_step(self, x: torch.Tensor) -> None:
+        if self.name == "fresh":
+            self.model.zero_grad(set_to_none=True)
+        self.model(x).float().square().mean().backward()
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad()
+
+    def grad_bytes(self) -> int:
+        return sum(
+            p.grad.numel() * p.grad.element_size()
+            for p in self.model.parameters()
+            if p.grad is not None
+        )
+
+
+def _time(fn, repeats: int) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def micro_steps(dtype: torch.dtype, threads: int, width: int, tokens: int, repeats: int) -> None:
+    torch.set_num_threads(threads)
+    names = ["fresh", "torch .grad", "unfused", "fused"]
+    variants = [_Variant(n, dtype, width) for n in names]
+    x = torch.randn(tokens, width, dtype=dtype)
+    for v in variants:  # warm-up, and the .grad bytes alive after a backward
+        for _ in range(2):
+            v.micro_step(x)
+    grad_bytes = {}
+    for v in variants:
+        v.model(x).float().square().mean().backward()
+        grad_bytes[v.name] = v.grad_bytes()
+        if v.opt is not None:
+            v.opt.step()
+            v.opt.zero_grad()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(repeats):
+        for v in variants:
+            times[v.name].append(_time(lambda v=v: v.micro_step(x), 1))
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    path = fused_path(variants[3].model[0], tokens)
+    print(
+        f"\n{str(dtype).replace('torch.', '')}, {threads} thread(s), {tokens} tokens, "
+        f"width {width}; fused path: {path}"
+    )
+    print(f"{'variant':<14}{'ms / micro-step':>16}{'÷ fresh':>10}{'.grad MB alive':>16}")
+    for n in names:
+        print(
+            f"{n:<14}{med[n]:>16.2f}{med[n] / med['fresh']:>10.3f}"
+            f"{grad_bytes[n] / 2**20:>16.1f}"
+        )
+    # The same micro-steps went through both wrappers: their accumulators must agree.
+    acc_u, acc_f = variants[2].opt.accumulators(), variants[3].opt.accumulators()
+    diff = max(
+        ((a.double() - b.double()).abs().max() / a.double().abs().max()).item()
+        for a, b in zip(acc_u, acc_f)
+    )
+    print(f"accumulators fused vs unfused: max rel diff {diff:.2e}")
+    print(
+        f"fused ÷ unfused {med['fused'] / med['unfused']:.3f}   "
+        f"fused ÷ torch .grad {med['fused'] / med['torch .grad']:.3f}   "
+        f"fused ÷ fresh {med['fused'] / med['fresh']:.3f}   "
+        f"peak .grad bytes lower by {(grad_bytes['unfused'] - grad_bytes['fused']) / 2**20:.1f} MB"
+    )
+
+
+def gemm_alone(n: int, repeats: int) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    dy, x = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    acc = torch.zeros(n, n)
+    done, why = core.wgrad_accumulate(acc, dy, x)
+    if not done:
+        print(f"\nGEMM alone: no fused path here ({why})")
+        return
+    fused, plain = [], []
+    for _ in range(repeats):
+        fused.append(_time(lambda: core.wgrad_accumulate(acc, dy, x), 1))
+        plain.append(_time(lambda: acc.add_(torch.mm(dy.t(), x)), 1))
+    f, p = statistics.median(fused) * 1e3, statistics.median(plain) * 1e3
+    print(
+        f"\nweight-gradient GEMM {n}x{n}x{n} fp32, 1 thread: fused {f:.2f} ms, "
+        f"torch.mm + add_ {p:.2f} ms, fused ÷ (GEMM + add) {f / p:.3f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes, one repeat (a check)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--width", type=int, default=1024)
+    args = ap.parse_args()
+    width, tokens, repeats = args.width, args.tokens, args.repeats
+    if args.small:
+        width, tokens, repeats = 64, 16, 1
+    print(f"torch {torch.__version__}, core ISA {core.cpu_isa()}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for threads in (1, 2):
+            micro_steps(dtype, threads, width, tokens, repeats)
+    gemm_alone(64 if args.small else 1024, repeats)
+
+
+if __name__ == "__main__":
+    main()
