@@ -57,7 +57,7 @@ class _Variant:
             inner = torch.optim.SGD(self.model.parameters(), lr=1e-3)
             self.opt = GradientAccumulateOptimizer(inner, 10**9, overlap_reduce=False)
             if name == "fused":
-                fuse_accumulation(self.model, self.opt)
+                fuse_accumulation(self.model, self.opt, min_size=0)
 
     def micro_step(self, x: torch.Tensor) -> None:
         if self.name == "fresh":
@@ -81,7 +81,9 @@ def _time(fn, repeats: int) -> float:
     return time.perf_counter() - t
 
 
-def micro_steps(dtype: torch.dtype, threads: int, width: int, tokens: int, repeats: int) -> None:
+def micro_steps(
+    dtype: torch.dtype, threads: int, width: int, tokens: int, repeats: int
+) -> dict[str, float]:
     torch.set_num_threads(threads)
     names = ["fresh", "torch .grad", "unfused", "fused"]
     variants = [_Variant(n, dtype, width) for n in names]
@@ -147,13 +149,36 @@ def gemm_alone(n: int, repeats: int) -> None:
     )
 
 
+def sweep(tokens: int, repeats: int) -> None:
+    """Where fusing starts to pay: fp32, one thread, widths 128-1024 (layers of width×2·width
+    weights), the default min_size of fuse_accumulation marked."""
+    from gradient_accumulator.torch.fused import MIN_SIZE
+
+    rows = []
+    for width in (128, 256, 362, 512, 1024):
+        med = micro_steps(torch.float32, 1, width, tokens, repeats)
+        rows.append((width, 2 * width * width, med))
+    print(f"\nsweep, fp32, 1 thread, {tokens} tokens (min_size default {MIN_SIZE}):")
+    print(f"{'width':>6}{'weights/layer':>15}{'÷ unfused':>11}{'÷ torch .grad':>15}{'÷ fresh':>9}")
+    for width, size, med in rows:
+        mark = "" if size >= MIN_SIZE else "  (left unfused by default)"
+        print(
+            f"{width:>6}{size:>15}{med['fused'] / med['unfused']:>11.3f}"
+            f"{med['fused'] / med['torch .grad']:>15.3f}{med['fused'] / med['fresh']:>9.3f}{mark}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes, one repeat (a check)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--sweep", action="store_true", help="widths 128-1024, fp32, one thread")
     args = ap.parse_args()
+    if args.sweep:
+        sweep(64 if args.small else args.tokens, 1 if args.small else args.repeats)
+        return
     width, tokens, repeats = args.width, args.tokens, args.repeats
     if args.small:
         width, tokens, repeats = 64, 16, 1

@@ -499,20 +499,35 @@ class Cycle:
     def fold_early(self, i: int, weight: float, write: Any) -> None:
         """Fold a gradient into accumulator ``i`` during a backward, the way :meth:`fold_one`
         does, with ``write(acc, weight_before, overwrite) -> nonfinite`` doing the writing (the
-        accumulate formula of this cycle's mode with ``weight``): a gradient, or a fused
-        layer's GEMM that never forms one."""
+        accumulate formula of this cycle's mode with ``weight``)."""
+        before, fresh = self.early_write(i, weight)
+        nonfinite = write(self._accs[i], before, fresh)
+        self.early_written((i,), weight, nonfinite)
+
+    def early_write(self, i: int, weight: float) -> tuple[float, bool]:
+        """How a gradient of the micro-step in flight, folded during its backward, is written
+        into accumulator ``i``: ``(weight_before, overwrite)`` for the accumulate formula.
+        Changes nothing: :meth:`early_written` records the write once it is done."""
+        before = self._total_weight - (self._early_weight if self._early else 0.0)
+        # A second gradient of the same micro-step (a second backward) adds to the first.
+        fresh = i not in self._early_index and (
+            self._micro_step == 0 or (not self._seen[i] and self.reduction != "running_mean")
+        )
+        return before, fresh
+
+    def early_written(self, index: Sequence[int], weight: float, nonfinite: bool) -> None:
+        """Record that gradients of the micro-step in flight were folded into ``index`` during
+        its backward with ``weight`` (counted once per micro-step): what a layer's fused
+        fold, which writes a weight and a bias in one call, and :meth:`fold_early` report."""
         self._sumsq = None
         if not self._early:
             self._early = True
             self._early_weight = weight
             self._total_weight += weight
-        # A second gradient of the same micro-step (a second backward) adds to the first.
-        fresh = i not in self._early_index and (
-            self._micro_step == 0 or (not self._seen[i] and self.reduction != "running_mean")
-        )
-        self._nonfinite |= write(self._accs[i], self._total_weight - weight, fresh)
-        self._seen[i] = True
-        self._early_index.add(i)
+        self._nonfinite |= nonfinite
+        for i in index:
+            self._seen[i] = True
+            self._early_index.add(i)
 
     @property
     def mode(self) -> str:

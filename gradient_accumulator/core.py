@@ -470,6 +470,8 @@ def wgrad_accumulate(
     mode: str = "sum",
     weight_before: float = 0.0,
     overwrite: bool = False,
+    bias_acc: Tensor | None = None,
+    bias_overwrite: bool = False,
 ) -> tuple[bool, str]:
     """Fold a linear layer's weight gradient dyᵀx into its fp32 accumulator in one GEMM.
 
@@ -482,6 +484,9 @@ def wgrad_accumulate(
     Args:
         acc: float32 (out, in), dense and row-major; updated in place.
         dy, x: float32, bfloat16 or float16 (the same), 2-D, any dense layout.
+        bias_acc: float32 (out,), or None: also fold the bias's gradient Σdy (its column sums,
+            in fp32) into it, with the same weight and ``bias_overwrite`` for its first write
+            (CPU; on CUDA pass None and :func:`accumulate` the sum).
 
     Returns:
         ``(True, "")`` when folded; ``(False, reason)`` with nothing written where this build,
@@ -510,12 +515,21 @@ def wgrad_accumulate(
         stream = _stream(cuda, acc)
         with _on_device(cuda, acc):
             done, why = load_core().wgrad_accumulate(
-                acc, dy, x, weight, mode, weight_before, bool(overwrite), stream
+                acc, dy, x, weight, mode, weight_before, bool(overwrite), stream, bias_acc
             )
         return bool(done), str(why)
     _load_library("cpu")
     done, why = load_core().wgrad_accumulate(
-        acc, dy, x, weight, mode, weight_before, bool(overwrite), stream
+        acc,
+        dy,
+        x,
+        weight,
+        mode,
+        weight_before,
+        bool(overwrite),
+        stream,
+        bias_acc,
+        bool(bias_overwrite),
     )
     return bool(done), str(why)
 

@@ -12,6 +12,7 @@
 // entry point here says so.
 #include "gradient_accumulator/wgrad.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -474,6 +475,50 @@ ga_status ga_wgrad_accumulate(const ga_matrix* acc, const ga_matrix* dy, const g
          "this build of gradient-accumulator has no oneDNN support (built without oneDNN's "
          "headers)");
 #endif
+  });
+}
+
+ga_status ga_bias_accumulate(const ga_tensor* acc, const ga_matrix* dy,
+                             const ga_accumulate_options* options) {
+  return guarded([&] {
+    if (acc == nullptr) fail(kGaInvalidArgument, "bias_acc", "bias_acc is null");
+    if (dy == nullptr) fail(kGaInvalidArgument, "dy", "dy is null");
+    if (options == nullptr) fail(kGaInvalidArgument, "options", "options is null");
+    check_tensor(*acc, "bias_acc");
+    check_cpu(*acc, "bias_acc");
+    check_dtype_in(*acc, "bias_acc", {kGaFloat32});
+    if (acc->numel != dy->cols)
+      fail(kGaInvalidArgument, "bias_acc",
+           "bias_acc has " + std::to_string(acc->numel) + " elements but dy has " +
+               std::to_string(dy->cols) + " columns");
+    // dy's own checks are ga_wgrad_accumulate's: a one-column x stands in for the weight side.
+    ga_matrix as_acc{*acc, dy->cols, 1, 1, 1};
+    ga_matrix ones{dy->tensor, dy->rows, 1, dy->row_stride, 0};
+    double alpha = 1.0, beta = 1.0;
+    validate_wgrad(&as_acc, dy, &ones, options, kGaCPU, &alpha, &beta);
+    const int64_t out = dy->cols;
+    float* a = static_cast<float*>(acc->data);
+    const bool overwrite = options->overwrite != 0 || alpha == 0.0;
+    static thread_local std::vector<float> sums;
+    sums.assign(static_cast<size_t>(out), 0.0f);
+    const ga_dtype dt = dy->tensor.dtype;
+    for (int64_t r = 0; r < dy->rows; ++r) {
+      const int64_t base = r * dy->row_stride;
+      if (dt == kGaFloat32) {
+        const float* d = static_cast<const float*>(dy->tensor.data) + base;
+        for (int64_t c = 0; c < out; ++c) sums[c] += d[c * dy->col_stride];
+      } else {
+        const uint16_t* d = static_cast<const uint16_t*>(dy->tensor.data) + base;
+        for (int64_t c = 0; c < out; ++c) {
+          const uint16_t v = d[c * dy->col_stride];
+          sums[c] +=
+              dt == kGaBFloat16 ? ga::formulas::bf16_to_float(v) : ga::formulas::half_to_float(v);
+        }
+      }
+    }
+    const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+    for (int64_t c = 0; c < out; ++c)
+      a[c] = overwrite ? fb * sums[c] : std::fma(fb, sums[c], fa * a[c]);
   });
 }
 

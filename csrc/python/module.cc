@@ -232,12 +232,25 @@ ga_matrix as_matrix(const TensorRef& t, const std::string& name) {
 /// on bad arguments.
 py::tuple wgrad_accumulate(py::handle acc, py::handle dy, py::handle x, double weight,
                            const std::string& mode, double weight_before, bool overwrite,
-                           uintptr_t stream) {
+                           uintptr_t stream, const py::object& bias_acc, bool bias_overwrite) {
   ga_accumulate_options o{parse_mode(mode), weight, weight_before, overwrite ? 1 : 0};
   TensorRef a = import_tensor(acc, "acc", true);
   TensorRef d = import_tensor(dy, "dy", false);
   TensorRef in = import_tensor(x, "x", false);
   const ga_matrix am = as_matrix(a, "acc"), dm = as_matrix(d, "dy"), xm = as_matrix(in, "x");
+  TensorRef b;
+  const bool with_bias = !bias_acc.is_none();
+  if (with_bias) {
+    b = import_tensor(bias_acc, "bias_acc", true);
+    if (a.desc.device_type == kGaCUDA)
+      throw py::type_error("bias_acc: the bias's fold on CUDA is an accumulate() of Σdy");
+    // Checked before the weight's GEMM writes anything.
+    if (b.desc.dtype != kGaFloat32 || b.desc.numel != dm.cols)
+      throw py::type_error("bias_acc must be a float32 tensor of dy's " + std::to_string(dm.cols) +
+                           " columns");
+  }
+  ga_accumulate_options ob = o;
+  ob.overwrite = bias_overwrite ? 1 : 0;
   ga_status status;
   std::string why;
   {
@@ -246,6 +259,8 @@ py::tuple wgrad_accumulate(py::handle acc, py::handle dy, py::handle x, double w
                  ? ga_cuda_wgrad_accumulate(&am, &dm, &xm, &o, as_stream(stream))
                  : ga_wgrad_accumulate(&am, &dm, &xm, &o);
     if (status == kGaUnsupported) why = ga_last_error();
+    // The bias's fold only once the weight's is done: a refusal leaves both as they were.
+    if (status == kGaOk && with_bias) status = ga_bias_accumulate(&b.desc, &dm, &ob);
   }
   if (status == kGaUnsupported) return py::make_tuple(false, why);
   call_core([&] { return status; });  // unreachable for kGaOk; re-raises the others
@@ -569,7 +584,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("sumsq_out") = py::none());
   m.def("wgrad_accumulate", &wgrad_accumulate, py::arg("acc"), py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
-        py::arg("stream") = 0);
+        py::arg("stream") = 0, py::arg("bias_acc") = py::none(), py::arg("bias_overwrite") = false);
   m.def(
       "onednn_load",
       [](const py::object& path) {

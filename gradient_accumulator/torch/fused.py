@@ -32,8 +32,9 @@ __all__ = ["FusedLinear", "FusionReport", "fuse_accumulation", "fused_path"]
 # The op a fused layer's backward calls: declared as writing the two accumulators, so that
 # torch.compile keeps it in the graph, in order, and copies neither.
 _LIB = torch.library.Library("gradient_accumulator", "FRAGMENT")
-_LIB.define("fold_linear(Tensor(a!) acc, Tensor dy, Tensor x, SymInt key) -> ()")
-_LIB.define("fold_bias(Tensor(a!) acc, Tensor dy, SymInt key) -> ()")
+_LIB.define(
+    "fold_linear(Tensor(a!) acc, Tensor(b!)? bias_acc, Tensor dy, Tensor x, SymInt key) -> ()"
+)
 
 _KEYS = itertools.count(1)
 # key -> the layer's slot: which wrapper's cycle and which accumulators (held weakly).
@@ -68,30 +69,39 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return _dense(t.reshape(-1, t.shape[-1]))
 
 
-def _fold_linear_kernel(acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: int) -> None:
-    """dW = dyᵀx into ``acc`` (the weight's accumulator) with the micro-batch's weight."""
+def _fold_linear_kernel(
+    acc: torch.Tensor, bias_acc: torch.Tensor | None, dy: torch.Tensor, x: torch.Tensor, key: int
+) -> None:
+    """dW = dyᵀx into ``acc`` and db = Σdy into ``bias_acc`` (the tensors the op was given,
+    which it declares written) with the micro-batch's weight, in one core call."""
     slot, loop = _loop_of(key)
     cycle = loop.cycle
     weight = cycle.hook_weight()
     dy2 = _rows(dy)
     x2 = _rows(x.to(dy2.dtype))
-
-    def write(_: torch.Tensor, weight_before: float, overwrite: bool) -> bool:
-        # Into the tensor the op was given (the accumulator itself: the op declares it written).
-        done, _why = core.wgrad_accumulate(
-            acc,
-            dy2,
-            x2,
-            weight=weight,
-            mode=cycle.mode,
-            weight_before=weight_before,
-            overwrite=overwrite,
-        )
-        if done:
-            return False  # a non-finite product is caught by the boundary's result check
-        return _fold(cycle, acc, torch.mm(dy2.t(), x2), weight, weight_before, overwrite)
-
-    cycle.fold_early(slot.weight_index, weight, write)
+    wi, bi = slot.weight_index, slot.bias_index
+    before, fresh = cycle.early_write(wi, weight)
+    bias_fresh = cycle.early_write(bi, weight)[1] if bias_acc is not None else False
+    mode = cycle.mode
+    cpu_bias = bias_acc if bias_acc is not None and not cycle.cuda else None
+    done, _why = core.wgrad_accumulate(
+        acc,
+        dy2,
+        x2,
+        weight=weight,
+        mode=mode,
+        weight_before=before,
+        overwrite=fresh,
+        bias_acc=cpu_bias,
+        bias_overwrite=bias_fresh,
+    )
+    nonfinite = False  # a non-finite product is caught by the boundary's result check
+    if not done:  # no fused kernel here: the unfused arithmetic, formed and freed at once
+        nonfinite = _fold(cycle, acc, torch.mm(dy2.t(), x2), weight, before, fresh)
+    if bias_acc is not None and (cpu_bias is None or not done):
+        g = dy2.sum(0, dtype=torch.float32)
+        nonfinite |= _fold(cycle, bias_acc, g, weight, before, bias_fresh)
+    cycle.early_written((wi,) if bi is None else (wi, bi), weight, nonfinite)
 
 
 def _fold(
@@ -109,30 +119,11 @@ def _fold(
     return bool(r.nonfinite) if not cycle.cuda else False
 
 
-def _fold_bias_kernel(acc: torch.Tensor, dy: torch.Tensor, key: int) -> None:
-    """db = Σdy (in fp32) into ``acc`` with the micro-batch's weight."""
-    slot, loop = _loop_of(key)
-    cycle = loop.cycle
-    weight = cycle.hook_weight()
-    g = _rows(dy).sum(0, dtype=torch.float32)
-    cycle.fold_early(
-        slot.bias_index,
-        weight,
-        lambda _, before, overwrite: _fold(cycle, acc, g, weight, before, overwrite),
-    )
-
-
-_LIB.impl("fold_bias", _fold_bias_kernel, "CompositeExplicitAutograd")
 _LIB.impl("fold_linear", _fold_linear_kernel, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("gradient_accumulator::fold_linear", lib=_LIB)
 def _fold_linear_fake(*args: Any) -> None:
-    return None
-
-
-@torch.library.register_fake("gradient_accumulator::fold_bias", lib=_LIB)
-def _fold_bias_fake(*args: Any) -> None:
     return None
 
 
@@ -173,9 +164,7 @@ class _FusedLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         acc, bias_acc = ctx.acc
-        torch.ops.gradient_accumulator.fold_linear(acc, dy, x, ctx.key)
-        if bias_acc is not None:
-            torch.ops.gradient_accumulator.fold_bias(bias_acc, dy, ctx.key)
+        torch.ops.gradient_accumulator.fold_linear(acc, bias_acc, dy, x, ctx.key)
         return grad_x, None, None, None, None
 
 
@@ -241,7 +230,13 @@ class FusionReport:
         return "\n".join(lines)
 
 
-def _why_not(m: nn.Linear, loop: Any) -> str | None:
+# Below this many weights a layer is left unfused by default: the host cost of the fused call
+# (about 60-90 µs a layer on the development CPU, mostly Python and the op dispatch) exceeds
+# the pass over the gradient it saves. benchmarks/fused_wgrad.py --sweep measures the crossover.
+MIN_SIZE = 2**18
+
+
+def _why_not(m: nn.Linear, loop: Any, min_size: int) -> str | None:
     w = m.weight
     if type(m) is not nn.Linear:
         return f"a subclass of nn.Linear ({type(m).__name__}) with a forward of its own"
@@ -255,10 +250,17 @@ def _why_not(m: nn.Linear, loop: Any) -> str | None:
         return f"its weight's dtype/layout ({w.dtype}, {w.layout}) is not accumulated fused"
     if m.bias is not None and m.bias.requires_grad and id(m.bias) not in loop.index:
         return "its bias is not one of the optimizer's parameters"
+    if w.numel() < min_size:
+        return (
+            f"{w.numel()} weights, fewer than min_size={min_size}: the fused call's host cost "
+            "exceeds the pass it saves"
+        )
     return None
 
 
-def fuse_accumulation(model: nn.Module, optimizer: Any) -> FusionReport:
+def fuse_accumulation(
+    model: nn.Module, optimizer: Any, *, min_size: int = MIN_SIZE
+) -> FusionReport:
     """Make every eligible ``nn.Linear`` of ``model`` accumulate its weight gradient with one
     GEMM straight into ``optimizer``'s fp32 accumulator (no ``.grad``, no second pass).
 
@@ -276,6 +278,9 @@ def fuse_accumulation(model: nn.Module, optimizer: Any) -> FusionReport:
         model: the model (or a DistributedDataParallel around it: its micro-batches must then
             run inside ``accumulate(model, opt)``).
         optimizer: the ``GradientAccumulateOptimizer`` that trains it.
+        min_size: layers with fewer weights are left alone (default 2¹⁸ = 262,144, about
+            512×512): below it the fused call's fixed host cost (tens of µs) outweighs the
+            pass it saves. 0 fuses every eligible layer.
 
     Returns:
         A :class:`FusionReport`: what was fused, what was left alone and why, and ``undo()``.
@@ -283,14 +288,15 @@ def fuse_accumulation(model: nn.Module, optimizer: Any) -> FusionReport:
     Raises:
         TypeError: ``model`` is not a module or ``optimizer`` not a GradientAccumulateOptimizer.
         ValueError: the optimizer accumulates in a way the fused layers cannot join
-            (``gradient_as_view=True``, FSDP2-sharded parameters); nothing is changed.
+            (``gradient_as_view=True``, ``overlap_reduce=True`` over ranks, FSDP2-sharded
+            parameters), or ``min_size`` is negative; nothing is changed.
 
     Example:
         >>> import torch
         >>> from gradient_accumulator.torch import GradientAccumulateOptimizer
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
         >>> opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-        >>> report = fuse_accumulation(model, opt)
+        >>> report = fuse_accumulation(model, opt, min_size=0)  # a toy layer: fuse it anyway
         >>> report.fused, type(model[0]).__name__
         (['0'], 'FusedLinear')
     """
@@ -303,6 +309,8 @@ def fuse_accumulation(model: nn.Module, optimizer: Any) -> FusionReport:
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"min_size must be an int >= 0, got {min_size!r}")
     loop = optimizer._loop
     if loop.views is not None:
         raise ValueError(
@@ -327,7 +335,7 @@ def fuse_accumulation(model: nn.Module, optimizer: Any) -> FusionReport:
     for name, m in list(root.named_modules()):
         if not isinstance(m, nn.Linear) or isinstance(m, FusedLinear):
             continue
-        why = _why_not(m, loop)
+        why = _why_not(m, loop, min_size)
         if why is not None:
             report.left[name or "<model>"] = why
             continue

@@ -75,7 +75,7 @@ def _pair(reduction="mean", k=4, opt_cls=torch.optim.AdamW, **kw):
             opt_cls(m.parameters(), lr=1e-2), k, reduction=reduction, **kw
         )
         if fuse:
-            report = fuse_accumulation(m, opt)
+            report = fuse_accumulation(m, opt, min_size=0)
             assert report.fused == ["0", "2", "4"] and not report.left
         out.append((m, opt))
     return out
@@ -93,12 +93,38 @@ def test_fused_matches_unfused_every_reduction(reduction):
         assert all(p.grad is None for p in m.parameters())
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"max_grad_norm": 0.05}, {"use_agc": True, "clip_factor": 0.01}],
+    ids=["clip", "agc"],
+)
+def test_clipping_and_agc_act_on_the_fused_accumulators(options):
+    (a, oa), (b, ob) = _pair(opt_cls=torch.optim.SGD, **options)
+    data = _data(3, 4)
+    _train(a, oa, data)
+    _train(b, ob, data)
+    assert oa.last_grad_norm is None or abs(oa.last_grad_norm - ob.last_grad_norm) <= 1e-6 * abs(
+        oa.last_grad_norm
+    )
+    assert _rel(a, b) <= FUSED_TOL
+
+
+def test_activation_checkpointing_folds_once():
+    from torch.utils.checkpoint import checkpoint
+
+    (a, oa), (b, ob) = _pair()
+    data = _data(2, 4)
+    _train(a, oa, data)
+    _train(b, ob, data, fn=lambda x: checkpoint(b, x, use_reentrant=False))
+    assert _rel(a, b) <= FUSED_TOL
+
+
 def test_fused_matches_the_fp64_big_batch():
     k, cycles = 4, 3
     data = _data(cycles, k)
     m = _mlp()
     opt = GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), k)
-    fuse_accumulation(m, opt)
+    fuse_accumulation(m, opt, min_size=0)
     _train(m, opt, data)
     ref = _mlp().double()
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -189,7 +215,7 @@ def test_tied_gpt2_head_gets_both_contributions():
         assert m.lm_head.weight is m.transformer.wte.weight
         opt = GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9), 3)
         if fuse:
-            report = fuse_accumulation(m, opt)
+            report = fuse_accumulation(m, opt, min_size=0)
             assert report.fused == ["lm_head"]  # GPT-2's other layers are Conv1D
             assert (
                 isinstance(m.lm_head, FusedLinear) and m.lm_head.weight is m.transformer.wte.weight
@@ -256,7 +282,7 @@ def test_mid_cycle_checkpoint_resumes_exactly(tmp_path):
     _train(a, oa, data)
     m = _mlp()
     opt = GradientAccumulateOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), 4)
-    fuse_accumulation(m, opt)
+    fuse_accumulation(m, opt, min_size=0)
     _train(m, opt, data[:6])  # mid-cycle
     path = tmp_path / "ckpt.pt"
     torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, path)
@@ -265,7 +291,7 @@ def test_mid_cycle_checkpoint_resumes_exactly(tmp_path):
     m2.load_state_dict(ck["model"])  # the keys of a plain model load into the fused one's
     opt2 = GradientAccumulateOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2), 4)
     opt2.load_state_dict(ck["opt"])
-    fuse_accumulation(m2, opt2)
+    fuse_accumulation(m2, opt2, min_size=0)
     _train(m2, opt2, data[6:])
     assert _rel(a, m2) <= FUSED_TOL
 
@@ -285,24 +311,33 @@ def test_refusals_change_nothing():
     m = _mlp()
     inner = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="GradientAccumulateOptimizer"):
-        fuse_accumulation(m, inner)
+        fuse_accumulation(m, inner, min_size=0)
+    with pytest.raises(ValueError, match="min_size"):
+        fuse_accumulation(m, GradientAccumulateOptimizer(inner, 2), min_size=-1)
     with pytest.raises(TypeError, match="model"):
         fuse_accumulation("model", GradientAccumulateOptimizer(inner, 2))
     view = GradientAccumulateOptimizer(
         torch.optim.SGD(m.parameters(), lr=0.1), 2, gradient_as_view=True
     )
     with pytest.raises(ValueError, match="gradient_as_view"):
-        fuse_accumulation(m, view)
+        fuse_accumulation(m, view, min_size=0)
     assert all(type(layer) is nn.Linear for layer in (m[0], m[2], m[4]))
 
 
 def test_double_backward_is_refused():
     m = _mlp()
     opt = GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), 2)
-    fuse_accumulation(m, opt)
+    fuse_accumulation(m, opt, min_size=0)
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="create_graph"):
         m(x).sum().backward(create_graph=True)
+
+
+def test_small_layers_are_left_alone_by_default():
+    m = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), 2)
+    report = fuse_accumulation(m, opt)
+    assert report.fused == ["0"] and "min_size" in report.left["2"]
 
 
 def test_frozen_and_foreign_layers_are_left_alone_with_the_reason_and_undo_restores():
@@ -313,7 +348,7 @@ def test_frozen_and_foreign_layers_are_left_alone_with_the_reason_and_undo_resto
     )
     originals = [m[0], m[2], m[4]]
     keys = list(m.state_dict())
-    report = fuse_accumulation(m, opt)
+    report = fuse_accumulation(m, opt, min_size=0)
     assert report.fused == ["0", "4"]
     assert "frozen" in report.left["2"]
     assert "fused 0" in repr(report)
@@ -356,7 +391,7 @@ def test_bf16_parameters_are_no_further_from_fp64_than_unfused():
         m = _mlp(torch.bfloat16)
         opt = GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), 4)
         if fuse:
-            assert fuse_accumulation(m, opt).fused == ["0", "2", "4"]
+            assert fuse_accumulation(m, opt, min_size=0).fused == ["0", "2", "4"]
         _train(m, opt, data)
         results.append(m)
     ref = _fp64_reference(data, 4, 2, 0.05)

@@ -129,7 +129,7 @@ def _worker(rank: int, port: int, out_dir: str, cfg: dict) -> None:
 
             model.register_comm_hook(None, counting_hook)
         if cfg.get("fuse"):
-            assert fuse_accumulation(model, opt).fused == ["fc1", "fc2", "extra"]
+            assert fuse_accumulation(model, opt, min_size=0).fused == ["fc1", "fc2", "extra"]
         x, y = _data(cfg)
         calls = []
         count = {"n": 0}

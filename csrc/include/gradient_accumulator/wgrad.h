@@ -45,6 +45,15 @@ typedef struct ga_matrix {
 GA_API ga_status ga_wgrad_accumulate(const ga_matrix* acc, const ga_matrix* dy, const ga_matrix* x,
                                      const ga_accumulate_options* options);
 
+/**
+ * \brief The bias's share of a linear layer's fold: acc ← a·acc + b·Σᵣ dy[r, :], the column sums
+ *        of `dy` taken in fp32 in row order (a and b as in ga_wgrad_accumulate).
+ * \param[in,out] acc  fp32, `dy->cols` elements, dense.
+ * \param[in]     dy   n×out, fp32, bf16 or fp16, any strides (CPU).
+ */
+GA_API ga_status ga_bias_accumulate(const ga_tensor* acc, const ga_matrix* dy,
+                                    const ga_accumulate_options* options);
+
 /** \brief Load oneDNN (3.x, its C API) from `path`, or by its soname libdnnl.so.3 when `path` is
  * NULL. Idempotent once it succeeded; kGaUnsupported with the reason when it fails. */
 GA_API ga_status ga_onednn_load(const char* path);
