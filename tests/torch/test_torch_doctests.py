@@ -16,6 +16,7 @@ MODULES = [
     "gradient_accumulator.torch.agc",
     "gradient_accumulator.torch.context",
     "gradient_accumulator.torch.distributed",
+    "gradient_accumulator.torch.fused",
 ]
 
 
