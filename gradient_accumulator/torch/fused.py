@@ -188,7 +188,14 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slot = _SLOTS.get(self._ga_key)
-        if slot is None or slot.loop() is None or not torch.is_grad_enabled():
+        loop = slot.loop() if slot is not None else None
+        # A copy of the model (deepcopy for an EMA, pickling) holds other parameters: it runs as
+        # a plain Linear and never writes the original's accumulators.
+        if (
+            loop is None
+            or not torch.is_grad_enabled()
+            or loop.params[slot.weight_index] is not self.weight
+        ):
             return F.linear(x, self.weight, self.bias)
         if slot.ddp is not None:
             ddp = slot.ddp()

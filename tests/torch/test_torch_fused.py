@@ -324,6 +324,16 @@ def test_refusals_change_nothing():
     assert all(type(layer) is nn.Linear for layer in (m[0], m[2], m[4]))
 
 
+def test_a_deep_copy_runs_plain_and_leaves_the_accumulators_alone():
+    (a, oa), (b, ob) = _pair(k=4)
+    x, y = _data(1, 1)[0]
+    ema = copy.deepcopy(b)
+    assert isinstance(ema[0], FusedLinear)
+    ((ema(x) - y) ** 2).mean().backward()
+    assert all(p.grad is not None for p in ema.parameters())  # plain gradients, its own
+    assert all(torch.count_nonzero(t) == 0 for t in ob.accumulators())
+
+
 def test_double_backward_is_refused():
     m = _mlp()
     opt = GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), 2)
