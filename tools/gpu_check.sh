@@ -2,7 +2,9 @@
 # Everything a GPU machine can check, in one command (about 7 minutes on 16 cores):
 #   1. build the core with GA_CUDA=ON for the local GPU's architecture (CUDAARCHS, else read from
 #      nvidia-smi) into build/dev, and drop the module into the source tree;
-#   2. the GPU tests: tests/cuda, the CUDA dispatch and SASS tests;
+#   2. the GPU tests: tests/cuda, the CUDA dispatch and SASS tests; the fused weight-gradient
+#      GEMM's GoogleTest cases (ga_cuda_wgrad_tests, against an fp64 reference) and its timing
+#      beside torch.mm (benchmarks/gpu_wgrad.py);
 #   3. benchmarks/gpu_core.py, gpu_profile.py, the kernel variants
 #      (tools/gpu_accumulate_variants.sh) and gpu_e2e.py;
 #   4. the Keras GPU subset on the torch and JAX backends;
@@ -84,6 +86,21 @@ if [ $dry -eq 1 ] || $py -c "import xdist" 2>/dev/null; then
   parallel="-n 4 -p no:benchmark"  # pytest-benchmark warns under xdist: an error here
 fi
 
+# cuBLASLt for the fused weight-gradient GEMM (csrc/cuda/wgrad.cu): cublasLt.h for the build when the
+# toolkit has none, and the library for the tests, both from the NVIDIA wheels torch installed
+# (site-packages/nvidia/cu13 or nvidia/cublas), where their major version is nvcc's.
+if [ $dry -eq 0 ] && command -v nvcc >/dev/null 2>&1; then
+  cuda_major=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+  lt_dirs=$($py -c "import nvidia, os; print(' '.join(os.path.join(p, d) for p in nvidia.__path__ for d in os.listdir(p)))" 2>/dev/null || true)
+  for d in $lt_dirs; do
+    if [ -e "$d/lib/libcublasLt.so.$cuda_major" ]; then
+      export GA_CUBLASLT_PATH=${GA_CUBLASLT_PATH:-$d/lib/libcublasLt.so.$cuda_major}
+      [ -e "$d/include/cublasLt.h" ] && export GA_CUBLASLT_INCLUDE_DIR=${GA_CUBLASLT_INCLUDE_DIR:-$d/include}
+    fi
+  done
+  echo "cuBLASLt: headers ${GA_CUBLASLT_INCLUDE_DIR:-from the toolkit}, library ${GA_CUBLASLT_PATH:-by soname}"
+fi
+
 # name | time limit (s) | command
 if [ -z "$wheel" ]; then
   build="build|300|GA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs bash tools/dev_build.sh -DGA_CUDA=ON -DGA_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=${arch}-real"
@@ -97,6 +114,7 @@ steps=(
   "$build"
   ${installed:+"$installed"}
   "gpu-tests|300|$pytest_py -m pytest -q $per_test tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py tests/test_core_cuda_status.py"
+  "wgrad|300|cmake -S . -B build/dev -DGA_BUILD_TESTS=ON >/dev/null && cmake --build build/dev --target ga_cuda_wgrad_tests -j $jobs && build/dev/ga_cuda_wgrad_tests --gtest_brief=1 && $py benchmarks/gpu_wgrad.py --json $out/gpu_wgrad.json"
   "gpu-core|600|$py benchmarks/gpu_core.py $bench_small --json $out/gpu_core.json"
   "gpu-profile|600|$py benchmarks/gpu_profile.py $bench_small --json $out/gpu_profile.json"
   "variants|300|CUDAARCHS=$arch bash tools/gpu_accumulate_variants.sh && cp build/accumulate-variants.tgz $out/"
@@ -118,7 +136,8 @@ if [ $dry -eq 1 ]; then
   for f in tools/dev_build.sh tests/cuda tests/test_core_cuda_dispatch.py tests/test_cuda_sass.py \
     tests/test_core_cuda_status.py \
     $keras_files benchmarks/gpu_core.py benchmarks/gpu_profile.py benchmarks/gpu_e2e.py \
-    tools/gpu_accumulate_variants.sh benchmarks/cuda/accumulate_variants.cu; do
+    tools/gpu_accumulate_variants.sh benchmarks/cuda/accumulate_variants.cu \
+    benchmarks/gpu_wgrad.py csrc/tests/cuda_wgrad_test.cc; do
     [ -e "$f" ] || { echo "missing: $f" >&2; missing=1; }
   done
   exit $missing
