@@ -129,24 +129,29 @@ def micro_steps(
     )
 
 
-def gemm_alone(n: int, repeats: int) -> None:
+def gemm_alone(shapes: list[tuple[int, int, int]], repeats: int) -> None:
+    """The weight-gradient GEMM alone, fp32, one thread: acc[out, in] += dyᵀx over n rows.
+    Few rows per weight (a small micro-batch) is where the separate add weighs most."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    dy, x = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    acc = torch.zeros(n, n)
-    done, why = core.wgrad_accumulate(acc, dy, x)
-    if not done:
-        print(f"\nGEMM alone: no fused path here ({why})")
-        return
-    fused, plain = [], []
-    for _ in range(repeats):
-        fused.append(_time(lambda: core.wgrad_accumulate(acc, dy, x), 1))
-        plain.append(_time(lambda: acc.add_(torch.mm(dy.t(), x)), 1))
-    f, p = statistics.median(fused) * 1e3, statistics.median(plain) * 1e3
+    print("\nweight-gradient GEMM alone, fp32, 1 thread (ms, median):")
     print(
-        f"\nweight-gradient GEMM {n}x{n}x{n} fp32, 1 thread: fused {f:.2f} ms, "
-        f"torch.mm + add_ {p:.2f} ms, fused ÷ (GEMM + add) {f / p:.3f}"
+        f"{'out x in, n rows':>20}{'fused':>9}{'mm + add_':>11}{'mm alone':>10}{'fused ÷ (mm + add)':>20}"
     )
+    for out, inp, n in shapes:
+        dy, x = torch.randn(n, out, generator=g), torch.randn(n, inp, generator=g)
+        acc = torch.zeros(out, inp)
+        done, why = core.wgrad_accumulate(acc, dy, x)
+        if not done:
+            print(f"no fused path here ({why})")
+            return
+        fused, plain, mm = [], [], []
+        for _ in range(repeats):
+            fused.append(_time(lambda: core.wgrad_accumulate(acc, dy, x), 1))
+            plain.append(_time(lambda: acc.add_(torch.mm(dy.t(), x)), 1))
+            mm.append(_time(lambda: torch.mm(dy.t(), x), 1))
+        f, p, m = (statistics.median(t) * 1e3 for t in (fused, plain, mm))
+        print(f"{f'{out} x {inp}, {n}':>20}{f:>9.2f}{p:>11.2f}{m:>10.2f}{f / p:>20.3f}")
 
 
 def sweep(tokens: int, repeats: int) -> None:
@@ -186,7 +191,10 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for threads in (1, 2):
             micro_steps(dtype, threads, width, tokens, repeats)
-    gemm_alone(64 if args.small else 1024, repeats)
+    shapes = (
+        [(64, 64, 64)] if args.small else [(1024, 1024, 1024), (2048, 2048, 64), (2048, 1024, 256)]
+    )
+    gemm_alone(shapes, max(repeats, 3))
 
 
 if __name__ == "__main__":

@@ -414,9 +414,9 @@ def accumulate(
 
 
 def _onednn_library() -> str | None:
-    """Where oneDNN's library is: ``GA_ONEDNN_LIBRARY``, else the onednn-cpu-gomp package's
+    """Where oneDNN's library is: ``GA_ONEDNN_PATH``, else the onednn-cpu-gomp package's
     ``libdnnl.so.3`` (pip puts it in the environment's ``lib``), else None (the soname)."""
-    path = os.environ.get("GA_ONEDNN_LIBRARY")
+    path = os.environ.get("GA_ONEDNN_PATH")
     if path:
         return path
     import importlib.metadata as metadata
@@ -443,7 +443,7 @@ def _load_library(kind: str) -> tuple[bool, str]:
         if kind == "cpu":
             done = tuple(core.onednn_load(_onednn_library()))
         else:
-            done = tuple(core.cublaslt_load(os.environ.get("GA_CUBLASLT_LIBRARY")))
+            done = tuple(core.cublaslt_load(os.environ.get("GA_CUBLASLT_PATH")))
         _LOADED[kind] = done
     return done
 

@@ -80,7 +80,7 @@ void check_matrix(const ga_matrix* m, const char* name, int32_t* device) {
 }
 
 /// The whole validation (nothing is enqueued before it passed): (a, b) as ga_accumulate has them
-/// (validate_accumulate in core/accumulate.cc; a = 0 when the step overwrites).
+/// (accumulate_coefficients in core/accumulate.cc; a = 0 when the step overwrites).
 struct Plan {
   int device;
   ga_dtype dtype;
@@ -111,32 +111,10 @@ Plan validate(const ga_matrix* acc, const ga_matrix* dy, const ga_matrix* x,
              std::to_string(dy->cols) + "x" + std::to_string(x->cols));
   if ((acc->cols > 1 && acc->col_stride != 1) || (acc->rows > 1 && acc->row_stride != acc->cols))
     fail(kGaInvalidArgument, "acc", "acc must be row-major and dense (strides (in, 1))");
-  const double w = options->weight;
-  if (!std::isfinite(w) || w < 0)
-    fail(kGaInvalidArgument, "weight", "weight must be finite and >= 0, got " + std::to_string(w));
-  double a = 1.0, b = w;
-  switch (detail::raw_enum(options->mode)) {
-    case kGaAccumulateSum:
-      break;
-    case kGaAccumulateRunningMean: {
-      const double before = options->overwrite ? 0.0 : options->weight_before;
-      if (!std::isfinite(before) || before < 0)
-        fail(kGaInvalidArgument, "weight_before", "weight_before must be finite and >= 0");
-      const double total = before + w;
-      if (total <= 0)
-        fail(kGaInvalidArgument, "weight", "running mean needs a positive total weight");
-      a = before / total;
-      b = w / total;
-      break;
-    }
-    default:
-      fail(kGaInvalidArgument, "mode", "unknown accumulate mode");
-  }
+  // The accumulate family's coefficients, one definition for every path (core/accumulate.cc).
+  double a = 1.0, b = 1.0;
+  detail::accumulate_coefficients(*options, true, &a, &b);
   if (options->overwrite) a = 0.0;
-  detail::check_fits_float32(b, "weight",
-                             "by float32 accumulators (pass float64 accumulators for wider "
-                             "weights)");
-  detail::check_fits_float32(a, "weight_before", "by float32 accumulators");
   std::vector<detail::Range> written, read;
   detail::add_range(written, acc->tensor, "acc");
   detail::add_range(read, dy->tensor, "dy");
