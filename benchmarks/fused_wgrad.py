@@ -135,9 +135,8 @@ def gemm_alone(shapes: list[tuple[int, int, int]], repeats: int) -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     print("\nweight-gradient GEMM alone, fp32, 1 thread (ms, median):")
-    print(
-        f"{'out x in, n rows':>20}{'fused':>9}{'mm + add_':>11}{'mm alone':>10}{'fused ÷ (mm + add)':>20}"
-    )
+    head = ("out x in, n rows", 20), ("fused", 9), ("mm + add_", 11), ("mm alone", 10)
+    print("".join(f"{h:>{w}}" for h, w in head) + f"{'fused ÷ (mm + add)':>20}")
     for out, inp, n in shapes:
         dy, x = torch.randn(n, out, generator=g), torch.randn(n, inp, generator=g)
         acc = torch.zeros(out, inp)
@@ -145,11 +144,15 @@ def gemm_alone(shapes: list[tuple[int, int, int]], repeats: int) -> None:
         if not done:
             print(f"no fused path here ({why})")
             return
+        calls = (
+            lambda acc=acc, dy=dy, x=x: core.wgrad_accumulate(acc, dy, x),
+            lambda acc=acc, dy=dy, x=x: acc.add_(torch.mm(dy.t(), x)),
+            lambda dy=dy, x=x: torch.mm(dy.t(), x),
+        )
         fused, plain, mm = [], [], []
         for _ in range(repeats):
-            fused.append(_time(lambda: core.wgrad_accumulate(acc, dy, x), 1))
-            plain.append(_time(lambda: acc.add_(torch.mm(dy.t(), x)), 1))
-            mm.append(_time(lambda: torch.mm(dy.t(), x), 1))
+            for times, call in zip((fused, plain, mm), calls):
+                times.append(_time(call, 1))
         f, p, m = (statistics.median(t) * 1e3 for t in (fused, plain, mm))
         print(f"{f'{out} x {inp}, {n}':>20}{f:>9.2f}{p:>11.2f}{m:>10.2f}{f / p:>20.3f}")
 
