@@ -52,6 +52,11 @@ def main() -> int:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps * 1e3  # µs
 
+    probe = torch.zeros(4, 4, device="cuda")
+    done, why = fused(probe, torch.ones(2, 4, device="cuda"), torch.ones(2, 4, device="cuda"))
+    if not done or probe[0, 0].item() != 2.0:
+        print(f"no fused GEMM on this GPU: {why or 'wrong result'}")
+        return 1
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for n, out, inp in SHAPES:
@@ -78,10 +83,67 @@ def main() -> int:
                 f"{t_mm:8.1f} us (fused/mm {t_fused / t_mm:.3f}), mm + add {t_unfused:8.1f} us "
                 f"(fused/(mm+add) {t_fused / t_unfused:.3f})"
             )
+    steps = micro_steps(torch, timed)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            out = {"device": torch.cuda.get_device_name(), "rows": rows, "micro_steps": steps}
+            json.dump(out, f, indent=1)
     return 0
+
+
+def _stack(torch, width: int, layers: int):
+    """The Linears of a GPT-2-like model (per block: qkv, proj, fc, fc-out), no attention."""
+    from torch import nn
+
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, 3 * width), nn.GELU(), nn.Linear(3 * width, width)]
+        mods += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+    return nn.Sequential(*mods).cuda()
+
+
+def micro_steps(torch, timed) -> list:
+    """Per micro-step (bf16 autocast, micro-batch 2 x 1024 tokens, mid-cycle): fused against
+    unfused, and against a plain forward + backward writing fresh .grad."""
+    from gradient_accumulator.torch import GradientAccumulateOptimizer, fuse_accumulation
+
+    out = []
+    for name, width, layers in (("124M-like", 768, 12), ("1.3B-like", 2048, 24)):
+        x = torch.randn(2048, width, device="cuda")
+        times = {}
+        for variant in ("fresh", "unfused", "fused"):
+            torch.manual_seed(0)
+            model = _stack(torch, width, layers)
+            opt = None
+            if variant != "fresh":
+                inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+                opt = GradientAccumulateOptimizer(inner, 10**9, overlap_reduce=False)
+                if variant == "fused":
+                    fuse_accumulation(model, opt, min_size=0)
+
+            def step(model=model, opt=opt, x=x):
+                if opt is None:
+                    model.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad()
+
+            times[variant] = timed(step, reps=10)
+            del model, opt
+            torch.cuda.empty_cache()
+        row = {"model": name, **{f"{k}_us": round(v, 1) for k, v in times.items()}}
+        row["fused_over_unfused"] = round(times["fused"] / times["unfused"], 3)
+        row["fused_over_fresh"] = round(times["fused"] / times["fresh"], 3)
+        out.append(row)
+        print(
+            f"{name}: micro-step fresh {times['fresh'] / 1e3:.2f} ms, unfused "
+            f"{times['unfused'] / 1e3:.2f} ms, fused {times['fused'] / 1e3:.2f} ms; fused/unfused "
+            f"{row['fused_over_unfused']:.3f}, fused/fresh {row['fused_over_fresh']:.3f}"
+        )
+    return out
 
 
 if __name__ == "__main__":

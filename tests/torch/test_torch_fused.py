@@ -119,6 +119,20 @@ def test_activation_checkpointing_folds_once():
     assert _rel(a, b) <= FUSED_TOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_fused_matches_unfused():
+    data = [(x.cuda(), y.cuda()) for x, y in _data(3, 4)]
+    models = []
+    for fuse in (False, True):
+        m = _mlp().cuda()
+        opt = GradientAccumulateOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), 4)
+        if fuse:
+            assert fuse_accumulation(m, opt, min_size=0).fused == ["0", "2", "4"]
+            assert fused_path(m[0], 5) == "cublaslt"
+        models.append(_train(m, opt, data))
+    assert _rel(*models) <= FUSED_TOL
+
+
 def test_fused_matches_the_fp64_big_batch():
     k, cycles = 4, 3
     data = _data(cycles, k)
