@@ -60,7 +60,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("keras/_compat.py", "tensorflow.python.ops.control_flow_switch_case"): (
         "tensorflow.python.ops.control_flow_switch_case"
     ),
-    ("keras/_parts.py", "keras.src.utils.tracking"): "keras.src.utils.tracking",
     ("keras/optimizer.py", "keras.src.utils.tracking"): "keras.src.utils.tracking",
     ("keras/_core_path.py", "_use_weight_decay"): "keras.optimizers.Optimizer(): ",
     ("keras/_packed.py", "_iterations"): "keras.optimizers.Optimizer(): ",
@@ -78,7 +77,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("keras/callbacks.py", "_plain_train_step"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "_weighs_batches"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "_batch_weight_unit"): "patch: keras.Model().train_step",
-    ("keras/_parts.py", "_layout"): "keras.Variable()._layout",
+    ("keras/_shell.py", "_layout"): "keras.Variable()._layout",
+    ("keras/_packed.py", "_layout"): "keras.Variable()._layout",
     ("keras/layers.py", "_layout"): "keras.Variable()._layout",
     # torch (torch/_glue.py's REACHES)
     ("keras/_core_path.py", "_version"): "torch.Tensor()._version",
@@ -103,6 +103,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("keras/_jax_shell.py", "_asdict"): "not a reach: a NamedTuple's public method",
     ("keras/_jax_shell.py", "_fields"): "not a reach: a NamedTuple's public attribute",
     ("keras/_tf_shell.py", "_fields"): "not a reach: a NamedTuple's public attribute",
+    ("keras/_loss_scale.py", "_use_loss_scaling"): "not a reach: the package's optimizer wrapper's",
     ("keras/_loss_scale.py", "_zero_between_cycles"): (
         "not a reach: the LossScaleOptimizer's inner optimizer is the package's own wrapper"
     ),
