@@ -66,11 +66,13 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("keras/callbacks.py", "_flatten_layers"): "keras.Model()._flatten_layers",
     ("keras/layers.py", "_flatten_layers"): "keras.Model()._flatten_layers",
     ("keras/callbacks.py", "_jax_state"): "keras.Model()._jax_state",
-    ("keras/_tf_shell.py", "tensorflow.python.distribute"): "tensorflow.python.distribute",
+    ("keras/_replica_shell.py", "tensorflow.python.distribute"): "tensorflow.python.distribute",
     ("keras/_tf_shell.py", "tensorflow.python.ops.control_flow_v2_func_graphs"): (
         "tensorflow.python.ops.control_flow_v2_func_graphs"
     ),
-    ("keras/_tf_shell.py", "_all_reduce_sum_gradients"): "patch: keras.optimizers.Optimizer()",
+    ("keras/_replica_shell.py", "_all_reduce_sum_gradients"): (
+        "patch: keras.optimizers.Optimizer()"
+    ),
     ("keras/_loss_scale.py", "<dynamic>"): "patch: keras.optimizers.LossScaleOptimizer()",
     ("keras/callbacks.py", "train_step"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "train_function"): "patch: keras.Model().train_step",

@@ -106,7 +106,7 @@ REACHES = (
         "_backend_apply_gradients, constraints, then iterations + 1",
         KERAS,
         "the inner update in a conditional under a tf.distribute strategy without merge_call "
-        "(apply_uncounted, from keras/_tf_shell.py)",
+        "(apply_uncounted, from keras/_replica_shell.py)",
     ),
     Reach(
         "jax",
@@ -129,14 +129,14 @@ REACHES = (
         "tf.__internal__.distribute.strategy_supports_no_merge_call()",
         "2.21.0",
         "telling whether a tf.distribute strategy's update runs without merge_call, which "
-        "decides how the boundary's inner update is counted (keras/_tf_shell.py)",
+        "decides how the boundary's inner update is counted (keras/_replica_shell.py)",
     ),
     Reach(
         "tensorflow",
         "tensorflow.python.distribute.device_util.current()",
         "2.21.0",
         "the destination of the boundary's one packed all-reduce of the clipped cycle's "
-        "accumulators under a strategy with merge_call (keras/_tf_shell.py)",
+        "accumulators under a strategy with merge_call (keras/_replica_shell.py)",
     ),
     Reach(
         "keras",
@@ -145,7 +145,7 @@ REACHES = (
         KERAS,
         "handing the inner optimizer (and each optimizer it wraps) gradients already summed "
         "over the replicas when the wrapper clips under a strategy, so they are not summed "
-        "again (keras/_tf_shell.py)",
+        "again (keras/_replica_shell.py)",
     ),
     Reach(
         "keras",

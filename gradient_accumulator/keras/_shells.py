@@ -11,7 +11,7 @@ shell                              runs
 ``_jax_shell.JaxShell``            JAX: ``stateless_apply``, packed state (``_packed``)
 ``_tf_shell.TensorFlowShell``      TensorFlow without a strategy: in-place folds, one
                                    conditional boundary
-``_tf_shell.ReplicaShell``         TensorFlow under a ``tf.distribute`` strategy: replica-local
+``_replica_shell.ReplicaShell``    TensorFlow under a ``tf.distribute`` strategy: replica-local
                                    accumulators, the boundary in the cross-replica context
 ``_core_path.CoreShell``           torch through the C++ core (``use_core`` not False, the core
                                    importable, no ``overwrite_with_gradient`` variable)
@@ -30,8 +30,9 @@ from gradient_accumulator import _validation
 from gradient_accumulator.keras import _packed
 from gradient_accumulator.keras._compat import tf_strategy
 from gradient_accumulator.keras._jax_shell import JaxShell
+from gradient_accumulator.keras._replica_shell import ReplicaShell
 from gradient_accumulator.keras._shell import Shell
-from gradient_accumulator.keras._tf_shell import ReplicaShell, StatefulShell, TensorFlowShell
+from gradient_accumulator.keras._tf_shell import StatefulShell, TensorFlowShell
 
 _BACKEND = keras.backend.backend()
 

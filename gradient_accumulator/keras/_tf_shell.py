@@ -1,19 +1,17 @@
-"""The stateful shells of the Keras cycle: eager torch off the core, TensorFlow and its replicas.
+"""The stateful shells of the Keras cycle: eager torch off the core, and TensorFlow.
 
 Each folds a micro-batch into the wrapper's variables and ends a cycle in backend ops.
 :class:`StatefulShell` (the torch backend off the core) overwrites the accumulators at a cycle's
 first micro-step. :class:`TensorFlowShell` (no strategy) adds every micro-step in place onto
 accumulators that each cycle starts from zeros, and the boundary is one conditional that
 TensorFlow calls when the cycle ends (:meth:`TensorFlowShell._apply_dense`); every end of a cycle
-zeroes the accumulators (:meth:`TensorFlowShell._zero_accumulators`). :class:`ReplicaShell`
-(under a ``tf.distribute`` strategy) adds in place too, into replica-local accumulators, then
-runs the boundary in the cross-replica context (``merge_call``), where the replicas' verdicts
-and, with clipping, their accumulators are reduced once per cycle.
+zeroes the accumulators (:meth:`TensorFlowShell._zero_accumulators`). The hooks of
+:class:`StatefulShell` after ``_after_cycle`` are what ``_replica_shell.ReplicaShell`` (under a
+``tf.distribute`` strategy) changes.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,29 +22,10 @@ from keras import ops
 from gradient_accumulator.keras import _cycle, _packed
 from gradient_accumulator.keras._compat import (
     after,
-    applies_itself,
-    apply_uncounted,
     switch_case,
     to_numpy,
 )
-from gradient_accumulator.keras._shell import Shell, accumulator_name
-
-
-def _no_merge_call() -> bool:
-    import tensorflow as tf
-
-    return tf.__internal__.distribute.strategy_supports_no_merge_call()
-
-
-def _summed_over_replicas(at: Any, verdict: Any) -> Any:
-    """A boundary's ``agree`` under a strategy without merge_call: the replicas' verdicts
-    summed, at the boundary only (no collective on the other micro-steps)."""
-    import tensorflow as tf
-
-    ctx = tf.distribute.get_replica_context()
-    return ops.cond(
-        at, lambda: ctx.all_reduce(tf.distribute.ReduceOp.SUM, verdict), lambda: verdict
-    )
+from gradient_accumulator.keras._shell import Shell
 
 
 def _plain(var: Any) -> Any:
@@ -90,11 +69,6 @@ def write(var: Any, value: Any) -> None:
     plain.assign(value, read_value=False)
 
 
-def _already_reduced(grads_and_vars: Any) -> list:
-    """Stands in for a Keras optimizer's all-reduce of gradients that are reduced already."""
-    return list(grads_and_vars)
-
-
 def _control_flow_graph(graph: Any) -> bool:
     """Whether ``graph`` is a branch or loop body of TensorFlow's control flow (built anew
     with each trace of the graph around it), not a function's (whose traces are cached)."""
@@ -109,8 +83,8 @@ class StatefulShell(Shell):
     """Eager torch off the core (and the base of TensorFlow's shells): the wrapper's variables
     folded and ended in backend ops; a cycle's first micro-step overwrites the accumulators."""
 
-    strategy: Any = None  # the tf.distribute strategy of the replica shell
     from_zeros = False  # every cycle starts from zeroed accumulators (TensorFlow)
+    _clock_after = 0  # fit's steps after the current epoch's (TensorFlowShell.set_epoch_clock)
 
     def build(self, var_list: list[Any]) -> None:
         """One variable per scalar (``_packed.SCALARS``), fit's epoch clock, one float32
@@ -312,10 +286,9 @@ class StatefulShell(Shell):
         cycle's first micro-step overwrites the accumulators)."""
         return None
 
-    # What a strategy's replicas change in the boundary (see ReplicaShell).
-
-    # The cycle's gradient is computed once, outside the conditional, at a boundary known to
-    # end the cycle (no replica: nothing to agree on first).
+    # What a strategy's replicas change in the boundary (see ReplicaShell). The cycle's
+    # gradient is computed once, outside the conditional, at a boundary known to end the cycle
+    # (no replica: nothing to agree on first).
     scales_at_a_known_boundary = True
     # The loss scaler checks the cycle's result too, not only the per-micro-step flag.
     checks_result = False
@@ -332,20 +305,13 @@ class StatefulShell(Shell):
         """The inner optimizer counts its own update here."""
         return None
 
-    def _sums_over_replicas(self) -> bool:
-        """Whether the cycle's gradient is summed over replicas before the update."""
-        return False
+    def _summed(self, accs: list[Any], reduced: Sequence[Any] | None) -> list[Any]:
+        """The kept accumulators as the update reads them: one replica's are the cycle's."""
+        return accs
 
-    def _inner_apply(self) -> Any:
-        """The inner optimizer's ``apply`` as the boundary calls it."""
-        return self._opt.optimizer.apply
-
-    def _clips(self) -> bool:
-        """Whether the boundary clips the cycle's gradient (AGC or the wrapper's own clipping)."""
-        return bool(self._opt.use_agc) or any(
-            c is not None
-            for c in (self._opt.clipnorm, self._opt.clipvalue, self._opt.global_clipnorm)
-        )
+    def _apply_inner(self, grads: list[Any], variables: list[Any]) -> None:
+        """The inner optimizer's update with the cycle's final gradients."""
+        self._opt.optimizer.apply(grads, variables)
 
     def _inner_update(
         self,
@@ -363,46 +329,14 @@ class StatefulShell(Shell):
             return
         variables = [variables[i] for i in keep]
         accs = [self._opt._accumulators[self._opt._get_variable_index(v)].value for v in variables]
-        summed = self._sums_over_replicas()
-        apply = self._inner_apply()
-
-        if summed:
-            import tensorflow as tf
-
-            # Clipping needs the gradient summed over the replicas.
-            if reduced is None:
-                reduced = tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, accs
-                )
-            accs = list(reduced)
+        accs = self._summed(accs, reduced)
         grads = self.final_grads(
             accs,
             variables,
             [v.value for v in variables],
             self.grad_scale(self._opt._total_weight, self._opt._loss_scale),
         )
-        if not summed:
-            apply(grads, variables)
-            return
-        # Every replica holds the same clipped gradient: the inner optimizer takes it as it is,
-        # without summing it over the replicas a second time (Keras's TensorFlow optimizers
-        # sum in ``_all_reduce_sum_gradients``; one without it gets 1/R of the gradient, summed
-        # again).
-        chain, opt = [], self._opt.optimizer
-        while opt is not None and all(opt is not o for o in chain):
-            chain.append(opt)
-            opt = getattr(opt, "inner_optimizer", None)
-        if not all(hasattr(o, "_all_reduce_sum_gradients") for o in chain):
-            replicas = self.strategy.num_replicas_in_sync
-            apply([g / replicas for g in grads], variables)
-            return
-        for opt in chain:
-            vars(opt)["_all_reduce_sum_gradients"] = _already_reduced
-        try:
-            apply(grads, variables)
-        finally:
-            for opt in chain:
-                vars(opt).pop("_all_reduce_sum_gradients", None)
+        self._apply_inner(grads, variables)
 
     def flush(self, present: list[bool], overwrites: bool) -> None:
         variables = self._opt._trainable_variables
@@ -417,8 +351,6 @@ class StatefulShell(Shell):
         now = 0 if clock is None else int(to_numpy(clock))
         out["steps_left"] = now + self._clock_after if now else 0
         return out
-
-    _clock_after = 0  # TensorFlow: see TensorFlowShell.set_epoch_clock
 
 
 class TensorFlowShell(StatefulShell):
@@ -557,7 +489,7 @@ class TensorFlowShell(StatefulShell):
 
     def _zero_accumulators(self, boundary: Any, plain: bool = True) -> None:
         """The accumulators back to zero where ``boundary`` holds (TensorFlow): every cycle
-        starts from zeros, as :meth:`_in_place_apply`'s fold needs. ``plain``: no strategy (the
+        starts from zeros, as :meth:`_apply_dense`'s fold needs. ``plain``: no strategy (the
         variables are written through their backing ``tf.Variable``)."""
 
         def zero() -> None:
@@ -622,165 +554,3 @@ class TensorFlowShell(StatefulShell):
                 lambda: self._end_cycle(tf.constant(True), variables, list(present))
             )
         return cache[key]
-
-
-class ReplicaShell(TensorFlowShell):
-    """TensorFlow under a ``tf.distribute`` strategy: replica-local accumulators, each
-    replica's fold in place, the boundary in the cross-replica context (``merge_call``) where
-    the replicas' verdicts and, with clipping, their accumulators are reduced once per cycle."""
-
-    takes_step_weight = False
-
-    def __init__(self, opt: Any, strategy: Any) -> None:
-        super().__init__(opt)
-        self.strategy = strategy
-
-    def _accumulator(self, variable: Any) -> Any:
-        """Replica-local: each replica sums its own gradients; read (and saved) as the mean
-        over replicas, which restores to every replica and so keeps the sum."""
-        with keras.name_scope(self._opt.name, caller=self._opt):
-            acc = keras.Variable(
-                initializer="zeros",
-                shape=variable.shape,
-                dtype="float32",
-                trainable=False,
-                synchronization="on_read",
-                aggregation="mean",
-                name=accumulator_name(variable),
-            )
-        self._opt._track_variable(acc)
-        return acc
-
-    _apply_dense = StatefulShell._apply_dense
-    scales_at_a_known_boundary = False
-    # The per-micro-step flag is a first-replica variable, which would not see another
-    # replica's NaN.
-    checks_result = True
-    plain_variables = False
-
-    def set_epoch_clock(self, epoch_steps: int, steps_left: int) -> bool:
-        return False
-
-    def _merges(self) -> bool:
-        return not _no_merge_call()
-
-    def _agree(self, choice: tuple, variables: list[Any]) -> Any:
-        """With merge_call the verdict is agreed, and the update run, in the cross-replica
-        context; without, the replicas' verdicts are summed when the cycle is checked."""
-        if self._merges():
-
-            def agree(at: Any, verdict: Any) -> Any:
-                return self._merged_boundary(at, verdict, choice, variables)
-
-            return agree
-        if _cycle.checks_nonfinite(self._opt._options):
-            return _summed_over_replicas
-        return None
-
-    def _sums_over_replicas(self) -> bool:
-        return self._clips()
-
-    def _inner_apply(self) -> Any:
-        """Without merge_call the update runs in a branch of the replica context: the inner
-        optimizer's count moves after the conditional (:meth:`_count_inner_update`)."""
-        if _no_merge_call():
-            return functools.partial(apply_uncounted, self._opt.optimizer)
-        return self._opt.optimizer.apply
-
-    def _count_inner_update(self, do_update: Any, choice: tuple) -> None:
-        """The inner optimizer's ``iterations += 1`` of an update run in a conditional's branch
-        without merge_call (:func:`apply_uncounted`): once if the cycle updated any variable."""
-        if applies_itself(self._opt.optimizer):
-            return  # its own apply ran, and counted
-        pred, if_true, if_false = choice
-        if isinstance(pred, bool):
-            some = bool(if_true if pred else if_false)
-        else:
-            some = ops.where(pred, bool(if_true), bool(if_false))
-        counted = ops.logical_and(ops.convert_to_tensor(do_update), some)
-        self._opt.optimizer.iterations.assign_add(
-            ops.cast(counted, self._opt.optimizer.iterations.dtype)
-        )
-
-    def _merged_boundary(
-        self, boundary: Any, verdict: Any, choice: tuple, variables: list[Any]
-    ) -> Any:
-        """The boundary's ``agree`` under a strategy with merge_call: the replicas' verdicts
-        summed, and the update decided (:func:`_cycle.decide`) and run, in the cross-replica
-        context; returns the summed verdict."""
-        pred, if_true, if_false = choice
-        import tensorflow as tf
-        from tensorflow.python.distribute import device_util
-
-        checks = _cycle.checks_nonfinite(self._opt._options)
-        # With clipping (or AGC) the cycle's gradient is reduced over the replicas before the
-        # inner update: each replica's accumulators go to the cross-replica context, which
-        # sums them at the boundary (a collective in a replica's branch would need a
-        # merge_call there, which fails across workers).
-        clips = self._clips()
-        local_accs = (
-            [self._opt._accumulators[self._opt._get_variable_index(v)].value for v in variables]
-            if clips
-            else None
-        )
-
-        def cross_replica(
-            distribution: Any, boundary: Any, local: Any, pred: Any, local_accs: Any
-        ) -> Any:
-            # The replicas' verdicts are summed here, in the cross-replica context (an
-            # all-reduce inside a replica's conditional would need a merge_call there),
-            # and only at the boundary: no collective on the other micro-steps.
-            at_boundary = distribution.experimental_local_results(boundary)[0]
-            total = ops.convert_to_tensor(0.0, "float32")
-            if checks:
-                total = ops.cond(
-                    at_boundary,
-                    lambda: distribution.reduce(tf.distribute.ReduceOp.SUM, local, axis=None),
-                    lambda: total,
-                )
-            go, _ = _cycle.decide(at_boundary, total, self._opt._options)
-            # The seen-flags choice is made here too, in the cross-replica context: an
-            # inner update (which synchronises the replicas) cannot sit in a conditional
-            # of a replica's.
-            if isinstance(pred, bool):
-                choices = [(go, if_true if pred else if_false)]
-            else:
-                first = distribution.experimental_local_results(pred)[0]
-                choices = [
-                    (ops.logical_and(go, first), if_true),
-                    (ops.logical_and(go, ops.logical_not(first)), if_false),
-                ]
-
-            def update(keep: list[int]) -> None:
-                reduced = None
-                if clips and keep:
-                    # One packed all-reduce of the kept accumulators, as Keras's step sends.
-                    destination = device_util.current() or "/device:CPU:0"
-                    reduced = distribution.extended.batch_reduce_to(
-                        tf.distribute.ReduceOp.SUM,
-                        [(local_accs[i], destination) for i in keep],
-                    )
-                distribution.extended.call_for_each_replica(
-                    self._inner_update, args=(variables, keep, reduced)
-                )
-
-            for when, keep in choices:
-                ops.cond(when, lambda keep=keep: update(keep), lambda: None)
-            return total
-
-        return tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(boundary, verdict, pred, local_accs)
-        )
-
-    def flush(self, present: list[bool], overwrites: bool) -> None:
-        """The boundary in the strategy the accumulators were built under, even when flush()
-        is called outside its scope: read there, replica-local accumulators would be averaged
-        over the replicas, and the update would carry one replica's share of the gradient."""
-        import tensorflow as tf
-
-        strategy = self.strategy
-        variables = self._opt._trainable_variables
-        with strategy.scope():
-            tf.function(
-                lambda: strategy.run(self._end_cycle, args=(tf.constant(True), variables, present))
-            )()
