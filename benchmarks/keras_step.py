@@ -85,9 +85,9 @@ def run_backend(args: argparse.Namespace) -> dict:
         import gradient_accumulator.keras  # noqa: F401
 
     if args.jax_flat_max is not None:
-        from gradient_accumulator.keras import _parts
+        from gradient_accumulator.keras import _packed
 
-        _parts.FLAT_MAX_ELEMENTS = args.jax_flat_max
+        _packed.FLAT_MAX_ELEMENTS = args.jax_flat_max
     if args.epoch_only:
         return dict(
             backend=keras.backend.backend(),

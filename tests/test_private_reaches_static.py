@@ -60,25 +60,27 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("keras/_compat.py", "tensorflow.python.ops.control_flow_switch_case"): (
         "tensorflow.python.ops.control_flow_switch_case"
     ),
-    ("keras/_parts.py", "keras.src.utils.tracking"): "keras.src.utils.tracking",
     ("keras/optimizer.py", "keras.src.utils.tracking"): "keras.src.utils.tracking",
     ("keras/_core_path.py", "_use_weight_decay"): "keras.optimizers.Optimizer(): ",
     ("keras/_packed.py", "_iterations"): "keras.optimizers.Optimizer(): ",
     ("keras/callbacks.py", "_flatten_layers"): "keras.Model()._flatten_layers",
     ("keras/layers.py", "_flatten_layers"): "keras.Model()._flatten_layers",
     ("keras/callbacks.py", "_jax_state"): "keras.Model()._jax_state",
-    ("keras/_tf_shell.py", "tensorflow.python.distribute"): "tensorflow.python.distribute",
+    ("keras/_replica_shell.py", "tensorflow.python.distribute"): "tensorflow.python.distribute",
     ("keras/_tf_shell.py", "tensorflow.python.ops.control_flow_v2_func_graphs"): (
         "tensorflow.python.ops.control_flow_v2_func_graphs"
     ),
-    ("keras/_tf_shell.py", "_all_reduce_sum_gradients"): "patch: keras.optimizers.Optimizer()",
+    ("keras/_replica_shell.py", "_all_reduce_sum_gradients"): (
+        "patch: keras.optimizers.Optimizer()"
+    ),
     ("keras/_loss_scale.py", "<dynamic>"): "patch: keras.optimizers.LossScaleOptimizer()",
     ("keras/callbacks.py", "train_step"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "train_function"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "_plain_train_step"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "_weighs_batches"): "patch: keras.Model().train_step",
     ("keras/callbacks.py", "_batch_weight_unit"): "patch: keras.Model().train_step",
-    ("keras/_parts.py", "_layout"): "keras.Variable()._layout",
+    ("keras/_shell.py", "_layout"): "keras.Variable()._layout",
+    ("keras/_packed.py", "_layout"): "keras.Variable()._layout",
     ("keras/layers.py", "_layout"): "keras.Variable()._layout",
     # torch (torch/_glue.py's REACHES)
     ("keras/_core_path.py", "_version"): "torch.Tensor()._version",
@@ -103,6 +105,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("keras/_jax_shell.py", "_asdict"): "not a reach: a NamedTuple's public method",
     ("keras/_jax_shell.py", "_fields"): "not a reach: a NamedTuple's public attribute",
     ("keras/_tf_shell.py", "_fields"): "not a reach: a NamedTuple's public attribute",
+    ("keras/_loss_scale.py", "_use_loss_scaling"): "not a reach: the package's optimizer wrapper's",
     ("keras/_loss_scale.py", "_zero_between_cycles"): (
         "not a reach: the LossScaleOptimizer's inner optimizer is the package's own wrapper"
     ),

@@ -106,7 +106,7 @@ REACHES = (
         "_backend_apply_gradients, constraints, then iterations + 1",
         KERAS,
         "the inner update in a conditional under a tf.distribute strategy without merge_call "
-        "(apply_uncounted, from keras/_tf_shell.py)",
+        "(apply_uncounted, from keras/_replica_shell.py)",
     ),
     Reach(
         "jax",
@@ -129,14 +129,14 @@ REACHES = (
         "tf.__internal__.distribute.strategy_supports_no_merge_call()",
         "2.21.0",
         "telling whether a tf.distribute strategy's update runs without merge_call, which "
-        "decides how the boundary's inner update is counted (keras/_tf_shell.py)",
+        "decides how the boundary's inner update is counted (keras/_replica_shell.py)",
     ),
     Reach(
         "tensorflow",
         "tensorflow.python.distribute.device_util.current()",
         "2.21.0",
         "the destination of the boundary's one packed all-reduce of the clipped cycle's "
-        "accumulators under a strategy with merge_call (keras/_tf_shell.py)",
+        "accumulators under a strategy with merge_call (keras/_replica_shell.py)",
     ),
     Reach(
         "keras",
@@ -145,7 +145,7 @@ REACHES = (
         KERAS,
         "handing the inner optimizer (and each optimizer it wraps) gradients already summed "
         "over the replicas when the wrapper clips under a strategy, so they are not summed "
-        "again (keras/_tf_shell.py)",
+        "again (keras/_replica_shell.py)",
     ),
     Reach(
         "keras",
@@ -153,7 +153,7 @@ REACHES = (
         "save_own_variables, load_own_variables (instance attributes)",
         KERAS,
         "a LossScaleOptimizer wrapping the optimizer wrapper handing its loss scaling to the "
-        "wrapper, which scales per cycle (_adopt_loss_scaler, keras/_loss_scale.py)",
+        "wrapper, which scales per cycle (_loss_scale.adopt, keras/_loss_scale.py)",
     ),
     Reach(
         "keras",
@@ -168,7 +168,7 @@ REACHES = (
         "keras.Variable()._layout",
         KERAS,
         "laying out AccumBatchNormalization's statistics and the accumulators like their "
-        "variables under a Keras distribution (keras/layers.py, keras/_parts.py)",
+        "variables under a Keras distribution (keras/layers.py, keras/_shell.py, keras/_packed.py)",
     ),
     Reach(
         "keras",
@@ -360,3 +360,62 @@ def to_numpy(value: Any) -> np.ndarray:
         if isinstance(value, (tf.Variable, tf.Tensor)):
             return np.asarray(value.numpy())
     return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+# What differs between Keras's backends, asked by name everywhere else (the shells, chosen once
+# by ``_shells.make``, hold the rest).
+
+
+def tf_strategy() -> Any:
+    """The active tf.distribute strategy (any number of replicas), or None for the default one
+    (and on any other backend).
+
+    A one-replica ``MirroredStrategy`` still runs the step in a replica context whose
+    optimizer updates go through ``merge_call``, so it takes the distributed path too.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+
+
+def traced(value: Any) -> bool:
+    """Whether this code runs traced or compiled (``value``: a tensor of the call, for JAX)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.executing_eagerly()
+    if backend == "jax":
+        import jax
+
+        return isinstance(value, jax.core.Tracer)
+    if backend == "torch":
+        import torch
+
+        return torch.compiler.is_compiling()
+    return False
+
+
+def checks_finite_by_sum() -> bool:
+    """Whether a check that gradients are finite sums them (TensorFlow, where one reduction
+    per tensor costs less than ``isfinite`` and ``all``) rather than testing each element."""
+    return keras.backend.backend() == "tensorflow"
+
+
+def stateless_trainer() -> bool:
+    """Whether Keras's ``fit`` runs a functional step (JAX: ``train_step(state, data)``, the
+    model's variables synced back by ``jax_state_sync``)."""
+    return keras.backend.backend() == "jax"
+
+
+def builds_optimizer_in_step() -> bool:
+    """Whether Keras's ``fit`` builds the optimizer in its first step (TensorFlow without a
+    strategy) rather than before it."""
+    return keras.backend.backend() == "tensorflow"
+
+
+def eager_trainer() -> bool:
+    """Whether Keras's ``fit`` runs its step eagerly on concrete tensors (torch)."""
+    return keras.backend.backend() == "torch"

@@ -24,6 +24,7 @@ import torch
 from gradient_accumulator import core
 from gradient_accumulator._engine import Cycle, boundary_rule, boundary_scale, ends_cycle
 from gradient_accumulator.keras._compat import to_numpy
+from gradient_accumulator.keras._tf_shell import StatefulShell
 
 
 def _torch_tensor(g: Any) -> Any:
@@ -336,3 +337,51 @@ class CorePath:
         grads = [g.to(v.value.dtype) for g, v in zip(grads, variables)]
         # The accumulators now hold the final gradients; the next micro-step overwrites them.
         self.inner.apply(grads, variables)
+
+
+class CoreShell(StatefulShell):
+    """The torch backend through the C++ core: :class:`CorePath` over the wrapper's variables,
+    built at first use; its variables and the eager shell's build are the same."""
+
+    def __init__(self, opt: Any) -> None:
+        super().__init__(opt)
+        self._engine: CorePath | None = None
+
+    def _core(self) -> CorePath:
+        if self._engine is None:
+            self._engine = CorePath(
+                self._opt.optimizer,
+                self._opt._trainable_variables,
+                self._opt._accumulators,
+                CycleVariables(
+                    *(getattr(self._opt, f"_{name}") for name in CycleVariables._fields)
+                ),
+                self._opt._agc_mask,
+                self._settings,
+                self._opt._clip_gradients,
+                self._opt.report_nonfinite,
+            )
+        return self._engine
+
+    def _settings(self) -> Settings:
+        """The wrapper's options for this path, read afresh on every call."""
+        own_clipping = (self._opt.clipnorm, self._opt.clipvalue, self._opt.global_clipnorm)
+        return Settings(
+            accum_steps=self._opt.accum_steps,
+            reduction=self._opt._options.reduction,
+            mixed_precision=bool(self._opt.mixed_precision),
+            drops_nonfinite=self._opt._drops_nonfinite(),
+            static_scale=self._opt._static_scale,
+            dynamic_growth_steps=self._opt.dynamic_growth_steps,
+            use_agc=bool(self._opt.use_agc),
+            clip_factor=self._opt.clip_factor,
+            eps=self._opt.eps,
+            fused=all(x is None for x in own_clipping),
+        )
+
+    def _fold_and_end(self, grads: list[Any], variables: list[Any], weight: Any | None) -> bool:
+        self._core().apply(grads)
+        return True  # a dropped cycle reported by the path itself
+
+    def flush(self, present: list[bool], overwrites: bool) -> None:
+        self._core().boundary()

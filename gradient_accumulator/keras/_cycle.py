@@ -19,12 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import keras
 import numpy as np
 from keras import ops
 
 from gradient_accumulator._options import Options
-from gradient_accumulator.keras._compat import to_numpy
+from gradient_accumulator.keras._compat import checks_finite_by_sum, to_numpy, traced
 
 __all__ = [
     "CycleEnd",
@@ -48,8 +47,6 @@ __all__ = [
     "seen_choice",
     "traced",
 ]
-
-_BACKEND = keras.backend.backend()
 
 
 class FoldState(NamedTuple):
@@ -93,23 +90,6 @@ class CycleEnd(NamedTuple):
     skipped: Any
 
 
-def traced(value: Any) -> bool:
-    """Whether this code runs traced or compiled (``value``: a tensor of the call, for JAX)."""
-    if _BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.executing_eagerly()
-    if _BACKEND == "jax":
-        import jax
-
-        return isinstance(value, jax.core.Tracer)
-    if _BACKEND == "torch":
-        import torch
-
-        return torch.compiler.is_compiling()
-    return False
-
-
 def concrete(value: Any) -> np.ndarray | None:
     """``value`` as a NumPy array when it is concrete (eager), None when it is traced."""
     return None if traced(value) else to_numpy(value)
@@ -130,7 +110,7 @@ def all_finite(grads: list[Any]) -> Any:
     """Whether every element of ``grads`` is finite (a boolean tensor)."""
     if not grads:  # nothing to check (no trainable variable)
         return ops.convert_to_tensor(True)
-    if keras.backend.backend() == "tensorflow":
+    if checks_finite_by_sum():
         return _all_finite_by_sum(grads)
     return _all_finite_exact(grads)
 

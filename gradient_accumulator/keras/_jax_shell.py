@@ -1,4 +1,4 @@
-"""The stateless shell of the Keras cycle: JAX's ``stateless_apply`` and its compiled flush.
+"""The JAX shell of the Keras cycle: packed state, ``stateless_apply`` and its compiled flush.
 
 The wrapper's variables are read back as values, matched by identity (its scalars and seen
 flags unpacked from two vectors, the small accumulators sliced from one flat vector, see
@@ -9,6 +9,7 @@ slots: ``_jax_groups``), so non-boundary micro-steps compute the accumulate only
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from keras import ops
 
 from gradient_accumulator.keras import _cycle, _jax_groups, _packed
+from gradient_accumulator.keras._shell import Shell, accumulator_name
 
 
 def _cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
@@ -37,24 +39,108 @@ def _value(x: Any) -> Any:
     return x.value if isinstance(x, keras.Variable) else x
 
 
-class StatelessShell:
-    """Mixin of GradientAccumulateOptimizer: the functional (JAX) path."""
+class JaxShell(Shell):
+    """JAX: the wrapper's scalars packed into two variables, the small accumulators into one
+    (``_packed``); ``stateless_apply`` folds and ends a cycle on values, the stateful
+    ``apply`` runs it on the variables' values and writes them back."""
+
+    def __init__(self, opt: Any) -> None:
+        super().__init__(opt)
+        # The compiled flushes, per seen-flags pattern and setting (see _jax_flush).
+        self._flush_cache: dict[tuple, Any] = {}
+
+    def build(self, var_list: list[Any]) -> None:
+        """The counters in one variable, the float scalars and seen flags in another, each
+        reachable as a :class:`_packed.Slot` under its own name; the accumulators of the small
+        variables (:func:`_packed.flat_members`) slices of one flat variable."""
+        self._opt._ints = self._opt.add_variable(
+            shape=(len(_packed.INTS),), dtype="int", initializer="zeros", name="counters"
+        )
+        self._opt._floats = self._opt.add_variable(
+            shape=(len(_packed.FLOATS) + len(var_list),),
+            dtype="float32",
+            initializer=_packed.initial_floats(self._opt.initial_scale),
+            name="cycle_state",
+        )
+        for i, name in enumerate(_packed.INTS):
+            setattr(self._opt, f"_{name}", _packed.Slot(self._opt._ints, i, name))
+        for i, name in enumerate(_packed.FLOATS):
+            setattr(self._opt, f"_{name}", _packed.Slot(self._opt._floats, i, name))
+        self._opt._seen = _packed.Slot(self._opt._floats, slice(len(_packed.FLOATS), None), "seen")
+        members = _packed.flat_members(var_list)
+        in_flat = dict(zip(members, self._flat_accumulators([var_list[i] for i in members])))
+        self._opt._accumulators = [
+            in_flat[i] if i in in_flat else self._accumulator(v) for i, v in enumerate(var_list)
+        ]
+
+    def _flat_accumulators(self, var_list: list[Any]) -> list[Any]:
+        """The accumulators of ``var_list`` as slices of one float32 variable, each a
+        :class:`_packed.Slot` with its variable's shape. No variable when ``var_list`` is
+        empty."""
+        self._opt._acc_flat = None
+        if not var_list:
+            return []
+        sizes = [math.prod(v.shape) for v in var_list]
+        self._opt._acc_flat = self._opt.add_variable(
+            shape=(sum(sizes),), dtype="float32", initializer="zeros", name="small_accumulators"
+        )
+        slots, offset = [], 0
+        for v, size in zip(var_list, sizes):
+            index = slice(offset, offset + size)
+            slots.append(
+                _packed.Slot(self._opt._acc_flat, index, accumulator_name(v), tuple(v.shape))
+            )
+            offset += size
+        return slots
+
+    def micro_step(self, grads: list[Any], variables: list[Any], weight: Any) -> None:
+        if weight is not None:
+            self._opt._batch_weight.assign(weight)
+        self._jax_stateful(grads)
+        if weight is not None:
+            self._opt._batch_weight.assign(1.0)
+        if self._opt._drops_nonfinite() and self._eager():
+            self._opt.report_nonfinite()
+
+    def flush(self, present: list[bool], overwrites: bool) -> None:
+        variables = self._opt._trainable_variables
+        tv, values = self._jax_flush(tuple(bool(p) for p in present))(
+            [v.value for v in self._opt.variables], [v.value for v in variables]
+        )
+        for var, value in zip(variables, tv):
+            var.assign(value)
+        for var, value in zip(self._opt.variables, values):
+            var.assign(value)
+
+    def counters(self) -> dict[str, int]:
+        return dict(zip(_packed.INTS, np.asarray(self._opt._ints.value).tolist()))
+
+    def set_epoch_clock(self, epoch_steps: int, steps_left: int) -> bool:
+        """Both counters at once: EPOCH's two are adjacent in INTS."""
+        self._opt._ints.assign(
+            _packed.set_ints(
+                self._opt._ints.value,
+                self._opt._epoch_steps.index,
+                np.array([epoch_steps, steps_left]),
+            )
+        )
+        return True
 
     def _own(self, optimizer_variables: Sequence[Any]) -> dict[str, Any]:
-        values = dict(zip([id(v) for v in self.variables], optimizer_variables))
-        own = _packed.unpack(values[id(self._ints)], values[id(self._floats)])
-        own["iterations"] = values[id(self._iterations)]
+        values = dict(zip([id(v) for v in self._opt.variables], optimizer_variables))
+        own = _packed.unpack(values[id(self._opt._ints)], values[id(self._opt._floats)])
+        own["iterations"] = values[id(self._opt._iterations)]
         # The accumulators in the flat variable are None here, read through _accs.
         own["accs"] = [
-            None if isinstance(a, _packed.Slot) else values[id(a)] for a in self._accumulators
+            None if isinstance(a, _packed.Slot) else values[id(a)] for a in self._opt._accumulators
         ]
-        own["acc_flat"] = None if self._acc_flat is None else values[id(self._acc_flat)]
+        own["acc_flat"] = None if self._opt._acc_flat is None else values[id(self._opt._acc_flat)]
         return own
 
     def _acc(self, own: dict, i: int) -> Any:
         """Variable ``i``'s accumulator value, sliced from the flat one if it is there."""
         acc = own["accs"][i]
-        return self._accumulators[i].take(own["acc_flat"]) if acc is None else acc
+        return self._opt._accumulators[i].take(own["acc_flat"]) if acc is None else acc
 
     def _accs(self, own: dict) -> list[Any]:
         """Every variable's accumulator value, those in the flat variable sliced from it."""
@@ -75,7 +161,7 @@ class StatelessShell:
             _cycle.FoldState(accs, *(own[k] for k in fields[1:])),
             fold_grads,
             own["batch_weight"],
-            self._options,
+            self._opt._options,
             present,
         )
         own.update(state._asdict())
@@ -86,13 +172,15 @@ class StatelessShell:
             own["acc_flat"] = state.accs[-1]
 
     def _pack(self, optimizer_variables: Sequence[Any], own: dict, inner: Sequence[Any]) -> list:
-        ints, floats = _packed.pack(own, self._ints.dtype)
-        by_id = {id(self._ints): ints, id(self._floats): floats}
-        by_id[id(self._iterations)] = own["iterations"]
-        by_id.update({id(a): v for a, v in zip(self._accumulators, own["accs"]) if v is not None})
-        if self._acc_flat is not None:
-            by_id[id(self._acc_flat)] = own["acc_flat"]
-        out = [by_id.get(id(v), val) for v, val in zip(self._variables, optimizer_variables)]
+        ints, floats = _packed.pack(own, self._opt._ints.dtype)
+        by_id = {id(self._opt._ints): ints, id(self._opt._floats): floats}
+        by_id[id(self._opt._iterations)] = own["iterations"]
+        by_id.update(
+            {id(a): v for a, v in zip(self._opt._accumulators, own["accs"]) if v is not None}
+        )
+        if self._opt._acc_flat is not None:
+            by_id[id(self._opt._acc_flat)] = own["acc_flat"]
+        out = [by_id.get(id(v), val) for v, val in zip(self._opt._variables, optimizer_variables)]
         return out + list(inner)
 
     def stateless_apply(
@@ -103,27 +191,22 @@ class StatelessShell:
         Non-boundary micro-steps compute the accumulate only: the update runs in one branch of
         a conditional (``lax.cond`` under JAX).
         """
-        if not self.built:
-            raise ValueError(
-                "GradientAccumulateOptimizer must be built before stateless_apply: call "
-                "build(trainable_variables)"
-            )
         # Values, not Variables (LossScaleOptimizer passes its inner optimizer's variables,
         # inside a StatelessScope that maps them to values).
         optimizer_variables = [_value(v) for v in optimizer_variables]
         trainable_variables = [_value(v) for v in trainable_variables]
-        n_own = len(self._variables)
+        n_own = len(self._opt._variables)
         own = self._own(optimizer_variables)
         inner_values = optimizer_variables[n_own:]
-        self._note_trace(next((g for g in grads if g is not None), None))
-        overwrite = self._overwrite_maxima(
+        self._opt._note_trace(next((g for g in grads if g is not None), None))
+        overwrite = self.overwrite_maxima(
             grads, own["micro_step"], own["seen"], lambda i: self._acc(own, i)
         )
         present = [g is not None for g in grads]
-        self._fold(own, _cycle.dense(grads, self._trainable_variables), present)
+        self._fold(own, _cycle.dense(grads, self._opt._trainable_variables), present)
         # The cycle ends after k micro-steps, or at the last step of fit's epoch (its clock).
         last, own["steps_left"] = _cycle.epoch_clock(own["epoch_steps"], own["steps_left"])
-        boundary = ops.logical_or(_cycle.ends_cycle(own["micro_step"], self.accum_steps), last)
+        boundary = ops.logical_or(_cycle.ends_cycle(own["micro_step"], self._opt.accum_steps), last)
         new_tv, own, new_inner = self._stateless_cycle_end(
             boundary, own, inner_values, trainable_variables, present
         )
@@ -137,7 +220,7 @@ class StatelessShell:
                 if own["accs"][i] is not None:
                     own["accs"][i] = maximum
                 else:
-                    own["acc_flat"] = self._accumulators[i].put(own["acc_flat"], maximum)
+                    own["acc_flat"] = self._opt._accumulators[i].put(own["acc_flat"], maximum)
         return new_tv, self._pack(optimizer_variables, own, new_inner)
 
     def _stateless_cycle_end(
@@ -167,12 +250,12 @@ class StatelessShell:
         choice = _cycle.seen_choice(own["seen"], present)
         end = _cycle.boundary(
             _cycle.CycleState(*(own[k] for k in fields)),
-            self._options,
+            self._opt._options,
             at=boundary,
             # Checked whole: the flat variable is its members end to end, one reduction.
             accs=[a for a in own["accs"] if a is not None]
             + ([] if own["acc_flat"] is None else [own["acc_flat"]]),
-            static_scale=self._static_scale,
+            static_scale=self._opt._static_scale,
         )
 
         tv, inner = self._conditional_update(
@@ -227,7 +310,7 @@ class StatelessShell:
     ) -> tuple[list[list[int]] | None, Any]:
         """``(groups, update)``: the output groups for one conditional each (None: one for
         all), and ``update`` as the branches should call it (traced once; each calls it)."""
-        if keras.backend.backend() != "jax" or not _cycle.traced(do_update):
+        if not _cycle.traced(do_update):
             return None, update
         import jax
 
@@ -238,7 +321,7 @@ class StatelessShell:
         if (
             jax.default_backend() != "cpu"
             or not isinstance(choice[0], bool)
-            or len(self._trainable_variables) > _jax_groups.MAX_GROUPS
+            or len(self._opt._trainable_variables) > _jax_groups.MAX_GROUPS
         ):
             return None, update
         once = jax.jit(update)
@@ -266,7 +349,7 @@ class StatelessShell:
     ) -> tuple[list, list]:
         """The inner optimizer's ``stateless_apply`` with the cycle's gradient (the
         accumulators ``accs`` times ``scale``): new trainable and inner optimizer values."""
-        grads = self._final_grads(accs, self._trainable_variables, trainable_values, scale)
+        grads = self.final_grads(accs, self._opt._trainable_variables, trainable_values, scale)
 
         def inner_update(keep: list[int]) -> tuple[list, list]:
             if not keep:
@@ -275,7 +358,7 @@ class StatelessShell:
             with warnings.catch_warnings():
                 # The inner optimizer drops a None gradient, as wanted, and warns.
                 warnings.filterwarnings("ignore", message="Gradients do not exist")
-                tv, inner = self.optimizer.stateless_apply(
+                tv, inner = self._opt.optimizer.stateless_apply(
                     inner_values,
                     [g if i in kept else None for i, g in enumerate(grads)],
                     trainable_values,
@@ -287,11 +370,13 @@ class StatelessShell:
 
     def _jax_stateful(self, grads: list[Any]) -> None:
         tv, ov = self.stateless_apply(
-            [v.value for v in self.variables], grads, [v.value for v in self._trainable_variables]
+            [v.value for v in self._opt.variables],
+            grads,
+            [v.value for v in self._opt._trainable_variables],
         )
-        for var, value in zip(self._trainable_variables, tv):
+        for var, value in zip(self._opt._trainable_variables, tv):
             var.assign(value)
-        for var, value in zip(self.variables, ov):
+        for var, value in zip(self._opt.variables, ov):
             var.assign(value)
 
     def _jax_flush(self, present: tuple[bool, ...]) -> Any:
@@ -301,12 +386,12 @@ class StatelessShell:
         import jax
 
         key = self._flush_key(present)
-        cache = self.__dict__.setdefault("_jax_flush_cache", {})  # untracked, never saved
+        cache = self._flush_cache
         if key not in cache:
 
             def flush(optimizer_values: list, trainable_values: list) -> tuple[list, list]:
                 own = self._own(optimizer_values)
-                inner_values = optimizer_values[len(self._variables) :]
+                inner_values = optimizer_values[len(self._opt._variables) :]
                 tv, own, inner = self._stateless_cycle_end(
                     ops.convert_to_tensor(True), own, inner_values, trainable_values, list(present)
                 )

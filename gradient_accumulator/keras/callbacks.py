@@ -15,8 +15,7 @@ from typing import Any
 
 import keras
 
-from gradient_accumulator.keras import _compat, _packed
-from gradient_accumulator.keras._tf_shell import _strategy
+from gradient_accumulator.keras import _compat, _packed, _shells
 from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["FlushAccumulation", "flush_batchnorm"]
@@ -111,7 +110,7 @@ class FlushAccumulation(keras.callbacks.Callback):
         if not opt.built:
             # TensorFlow builds the optimizer in the first step (without a strategy): the
             # clock starts before the second.
-            self._start_later = keras.backend.backend() == "tensorflow"
+            self._start_later = _compat.builds_optimizer_in_step()
             return
         left = self._steps_left(int(steps), self._epoch) - done
         if opt._set_epoch_clock(int(steps), left):
@@ -150,7 +149,7 @@ class FlushAccumulation(keras.callbacks.Callback):
             return
         model = self._model
         self._epoch_done = True
-        if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
+        if _compat.stateless_trainer() and hasattr(model, "jax_state_sync"):
             model.jax_state_sync()
         counters = opt._cycle_counters()
         flushed = False
@@ -227,7 +226,7 @@ def weigh_batch(model: Any, *args: Any) -> Any:
     relative to the first batch traced (see :func:`_relative_batch_size`).
     """
     opt = find_accumulator(getattr(model, "optimizer", None))
-    if keras.backend.backend() == "jax":
+    if _compat.stateless_trainer():
         state, data = args
         if opt is None:
             return state
@@ -241,7 +240,7 @@ def weigh_batch(model: Any, *args: Any) -> Any:
         if not opt.built:
             model.optimizer.build(model.trainable_variables)
         weight = opt.counter("batch_weight")
-        if keras.backend.backend() == "torch":
+        if _compat.eager_trainer():
             # Eager: the size is a number, written in place (a Keras assign converts and
             # checks it first, a visible share of a small model's step).
             weight.value.fill_(float(_first_input(data).shape[0]))
@@ -260,13 +259,8 @@ def weighing(model: Any, data: Any, stash: bool = True) -> Iterator[None]:
     False (a user's own ``train_step``, which may apply from a ``tf.function`` of its own,
     where the step's tensor cannot be used): the size is written into the counter."""
     opt = find_accumulator(getattr(model, "optimizer", None))
-    # The same test as the optimizer's (_parts._apply_micro_batch), which takes the size.
-    if (
-        opt is None
-        or not stash
-        or keras.backend.backend() != "tensorflow"
-        or _strategy() is not None
-    ):
+    # The optimizer's shell takes the size (TensorFlow without a strategy: see _shells).
+    if opt is None or not stash or not _shells.takes_step_weight():
         weigh_batch(model, data)
         yield
         return
@@ -334,7 +328,7 @@ def _weigh_batches(model: Any, fresh: bool = False) -> None:
     own = getattr(step, "__func__", None) is keras.Model.train_step
 
     def train_step(*args: Any) -> Any:
-        if keras.backend.backend() == "jax":
+        if _compat.stateless_trainer():
             return step(weigh_batch(model, *args), args[1])
         with weighing(model, *args, stash=own):
             return step(*args)

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 from gradient_accumulator import _validation
+from gradient_accumulator.keras import _compat
 from gradient_accumulator.keras._compat import model_being_cloned, warn_deprecated
 from gradient_accumulator.keras.callbacks import (
     FlushAccumulation,
@@ -21,8 +22,6 @@ from gradient_accumulator.keras.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.nonfinite import check_on_nonfinite
 
 __all__ = ["GradientAccumulateModel"]
-
-_BACKEND = keras.backend.backend()
 
 
 def _is_graph_io(value: Any) -> bool:
@@ -235,7 +234,7 @@ class GradientAccumulateModel(keras.Model):
     # train_step passes the weight.
     _weighs_batches = True
 
-    if _BACKEND == "jax":
+    if _compat.stateless_trainer():
 
         def train_step(self, state: Any, data: Any) -> Any:
             """One micro-step; passes the batch size to the optimizer as the batch's weight."""

@@ -1,59 +1,43 @@
 """GradientAccumulateOptimizer: any Keras 3 optimizer stepping once per k micro-batches, exactly.
 
 This module is the wrapper's public face: Keras's optimizer interface, build, flush, config and
-the settings. Three paths share one arithmetic (``_cycle.py``) and are mixed in from private
-modules: the functional one for JAX (``_jax_shell.py``: ``stateless_apply`` with ``lax.cond``, so
-non-boundary micro-steps do the accumulate and nothing else), the stateful one in backend ops
-for TensorFlow (``_tf_shell.py``: compiled by ``tf.function``, replica-local accumulators under
-``tf.distribute``) and eager PyTorch, and the C++ core on the PyTorch backend (``_core_path.py``:
-one accumulate pass per micro-step, one fused apply per cycle).
+the settings. Its ``build()`` picks one shell (``_shells.make``) that runs the cycle in the
+backend's way, and every micro-step, flush and counter read is delegated to it: JAX's
+functional one (``_jax_shell.py``), TensorFlow's with or without a ``tf.distribute`` strategy
+and eager torch's (``_tf_shell.py``), and the C++ core's on torch (``_core_path.py``). All share
+one arithmetic (``_cycle.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import keras
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 from gradient_accumulator._options import Options, keras_reduction
-from gradient_accumulator.keras import _packed
-from gradient_accumulator.keras._compat import to_numpy, warn_deprecated
-from gradient_accumulator.keras._jax_shell import StatelessShell
-from gradient_accumulator.keras._loss_scale import LossScaling
-from gradient_accumulator.keras._parts import (
-    _SCALARS,
-    _SETTINGS,
-    CycleParts,
-    _checked_arguments,
-    _upgraded_config,
+from gradient_accumulator.keras import (
+    _boundary_grads,
+    _config,
+    _cycle,
+    _loss_scale,
+    _packed,
+    _shells,
 )
-from gradient_accumulator.keras._tf_shell import StatefulShell
+from gradient_accumulator.keras._compat import (
+    loss_scale_optimizer_wrapping,
+    to_numpy,
+    warn_deprecated,
+)
+from gradient_accumulator.keras._shell import Shell
 from gradient_accumulator.nonfinite import NonFiniteCounter
 
 __all__ = ["GradientAccumulateOptimizer"]
 
 
-def _setting(name: str, doc: str, shown: Callable[[Any], Any] | None = None) -> property:
-    """A setting of the wrapper: read from its options record (through ``shown`` if given),
-    assigned by replacing the record, which checks the value with the other settings and
-    changes nothing when it refuses it (``TypeError``/``ValueError`` naming the setting)."""
-
-    def get(self: Any) -> Any:
-        value = getattr(self._options, name)
-        return value if shown is None else shown(value)
-
-    def set_(self: Any, value: Any) -> None:
-        self._set(**{name: value})
-
-    return property(get, set_, doc=doc)
-
-
 @keras.saving.register_keras_serializable(package="gradient-accumulator")
-class GradientAccumulateOptimizer(
-    LossScaling, CycleParts, StatefulShell, StatelessShell, keras.optimizers.Optimizer
-):
+class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras 3 optimizer so that it updates once every ``accum_steps`` micro-batches.
 
     Each ``apply()`` folds the micro-batch's gradients into float32 accumulators (whatever the
@@ -160,15 +144,11 @@ class GradientAccumulateOptimizer(
         **kwargs: Any,
     ) -> None:
         scope = locals()
-        settings = {k: scope[k] for k in _SETTINGS}
-        inner, options, use_core, agc_exclude = _checked_arguments(
+        settings = {k: scope[k] for k in _config.SETTINGS}
+        inner, options, use_core, agc_exclude = _config.checked_arguments(
             GradientAccumulateOptimizer, optimizer, use_core, agc_exclude, kwargs, **settings
         )
-
-        # No learning-rate variable of the wrapper's own on JAX (see _packed): the inner
-        # optimizer's is the one used.
-        unused = _packed.unused_learning_rate if keras.backend.backend() == "jax" else 0.0
-        super().__init__(learning_rate=unused, name=name, **kwargs)
+        super().__init__(learning_rate=_shells.own_learning_rate(), name=name, **kwargs)
         self.optimizer = inner
         self._options = options
         # The settings a compiled step was traced with (see _retrace_if_changed).
@@ -180,8 +160,7 @@ class GradientAccumulateOptimizer(
         # The inner optimizer's static loss-scale factor is taken over: scale_loss() is ours.
         self._static_scale = inner.loss_scale_factor
         inner.loss_scale_factor = None
-        self._core_engine = None  # the PyTorch backend's eager path, built at first use
-        self._build_strategy = None  # the tf.distribute strategy of build(), if any
+        self._shell: Shell | None = None  # the backend's path, chosen by build()
 
     # ------------------------------------------------------------------------------- settings
 
@@ -189,24 +168,28 @@ class GradientAccumulateOptimizer(
         """Replace settings through the options record: checked together, all or nothing."""
         self._options = self._options.replace(**changes)
 
-    accum_steps = _setting("accum_steps", "Micro-batches per update (may change between cycles).")
-    use_agc = _setting(
+    accum_steps = _config.setting(
+        "accum_steps", "Micro-batches per update (may change between cycles)."
+    )
+    use_agc = _config.setting(
         "use_agc", "Adaptive gradient clipping of the accumulated gradient at the boundary."
     )
-    clip_factor = _setting("clip_factor", "AGC's λ.")
-    eps = _setting("eps", "AGC's ε, the floor of a unit's weight norm.")
-    leftover = _setting(
+    clip_factor = _config.setting("clip_factor", "AGC's λ.")
+    eps = _config.setting("eps", "AGC's ε, the floor of a unit's weight norm.")
+    leftover = _config.setting(
         "leftover", 'What :meth:`flush` does with a short cycle: ``"apply"`` or ``"carry"``.'
     )
-    on_nonfinite = _setting(
+    on_nonfinite = _config.setting(
         "on_nonfinite", 'What a non-finite cycle does: ``"skip"``, ``"raise"`` or ``"apply"``.'
     )
-    mixed_precision = _setting("mixed_precision", "Dynamic loss scaling at cycle level.")
-    initial_scale = _setting("initial_scale", "The first loss scale under ``mixed_precision``.")
-    dynamic_growth_steps = _setting(
+    mixed_precision = _config.setting("mixed_precision", "Dynamic loss scaling at cycle level.")
+    initial_scale = _config.setting(
+        "initial_scale", "The first loss scale under ``mixed_precision``."
+    )
+    dynamic_growth_steps = _config.setting(
         "dynamic_growth_steps", "Good updates between doublings of the loss scale."
     )
-    reduction = _setting(
+    reduction = _config.setting(
         "reduction",
         '``"MEAN"``, ``"SUM"`` or ``"RUNNING_MEAN"`` (assigned in any letter case).',
         shown=keras_reduction,
@@ -262,7 +245,7 @@ class GradientAccumulateOptimizer(
         return getter(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SETTINGS:
+        if name in _config.SETTINGS:
             # Through the property's checks, whatever Keras's attribute tracking does.
             getattr(type(self), name).fset(self, value)
             return
@@ -272,6 +255,110 @@ class GradientAccumulateOptimizer(
             type(self).loss_scale_factor.fset(self, value)
             return
         super().__setattr__(name, value)
+
+    # --------------------------------------------------------- loss scale, non-finite cycles
+
+    @property
+    def loss_scale_factor(self) -> None:
+        """Always None: a static factor belongs to the inner optimizer (taken over at
+        construction), dynamic scaling to ``mixed_precision``."""
+        return None
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError(
+                "loss_scale_factor is not an argument of GradientAccumulateOptimizer: set it on "
+                "the inner optimizer"
+            )
+        # keras.optimizers.LossScaleOptimizer(inner) ends its constructor by setting its inner
+        # optimizer's loss_scale_factor to None; that is the one moment this wrapper learns it
+        # is wrapped (Keras's compile does it under a mixed_float16 policy).
+        # (The frames between are the attribute assignment's.)
+        caller = loss_scale_optimizer_wrapping(self, skip=1)
+        if caller is not None:
+            _loss_scale.adopt(self, caller)
+
+    def _use_loss_scaling(self, initial_scale: float, dynamic_growth_steps: int) -> None:
+        """Switch on ``mixed_precision`` with these settings (a no-op if it is on already:
+        the wrapper's own settings win)."""
+        if self.mixed_precision:
+            return
+        self._set(
+            mixed_precision=True,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=int(dynamic_growth_steps),
+        )
+        if self.built:
+            self._loss_scale.assign(self.initial_scale)
+            self._growth.assign(0)
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiply the loss by the current loss scale (and the inner static factor, if any)."""
+        factor = 1.0 if self._static_scale is None else float(self._static_scale)
+        if self.mixed_precision:
+            scale = self._loss_scale.value if self.built else self.initial_scale
+            return keras.ops.multiply(loss, keras.ops.cast(scale, "float32") * factor)
+        return loss if factor == 1.0 else keras.ops.multiply(loss, factor)
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current dynamic loss scale (1.0 without ``mixed_precision``): its variable (on
+        JAX, where the scalars are packed, its current value)."""
+        if not self.mixed_precision:
+            return 1.0
+        if not self.built:
+            return self.initial_scale
+        scale = self._loss_scale
+        return scale.value if isinstance(scale, _packed.Slot) else scale
+
+    @property
+    def nonfinite_skipped(self) -> int:
+        """Cycles dropped so far because their averaged gradient held NaN or Inf.
+
+        Counts the drops made under ``on_nonfinite="skip"`` or ``"raise"``, not the loss
+        scaler's skips under ``mixed_precision``.
+        """
+        return int(to_numpy(self._skipped)) if self.built else 0
+
+    @property
+    def drops_nonfinite(self) -> bool:
+        """Whether ``on_nonfinite`` decides about a non-finite cycle (the loss scaler does not)."""
+        return self._drops_nonfinite()
+
+    def _drops_nonfinite(self) -> bool:
+        return _cycle.drops_nonfinite(self._options)
+
+    def report_nonfinite(self, skipped: int | None = None) -> int:
+        """Warn, or raise, for the non-finite cycles dropped since the last report.
+
+        Eager ``apply`` and :meth:`flush` report by themselves; a compiled step cannot, so
+        :class:`FlushAccumulation` calls this at the end of each epoch of ``fit`` (and before
+        every batch with ``on_nonfinite="raise"``).
+
+        Args:
+            skipped: the current :attr:`nonfinite_skipped`, when the caller has read it
+                (under JAX ``fit`` the callback reads it from the trainer's state).
+
+        Returns:
+            The number of cycles dropped since the last report.
+
+        Raises:
+            NonFiniteGradientError: with ``on_nonfinite="raise"``, if a cycle was dropped.
+        """
+        if not self.built or not self._drops_nonfinite():
+            return 0
+        count = self.nonfinite_skipped if skipped is None else int(skipped)
+        new, self._reported_skips = count - self._reported_skips, count
+        if new <= 0:
+            return 0
+        if self.on_nonfinite == "raise":
+            self._nonfinite_counter.raise_error()
+        for _ in range(new):
+            self._nonfinite_counter.record_skip(stacklevel=None)  # at the user's call
+        return new
+
+    # ------------------------------------------------------- the cycle's variables, fit
 
     def counter(self, name: str) -> Any:
         """One of the variables the cycle lives in, by name: ``"micro_step"``,
@@ -283,8 +370,8 @@ class GradientAccumulateOptimizer(
         two variables, and this is a view of one element, with a variable's ``value``,
         ``assign`` and ``numpy``. Discard a cycle with :meth:`reset_cycle`, not by writing
         ``micro_step``: on TensorFlow a cycle adds onto accumulators it expects at zero."""
-        if name not in _SCALARS:
-            raise ValueError(f"name must be one of {_SCALARS}, got {name!r}")
+        if name not in _config.SCALARS:
+            raise ValueError(f"name must be one of {_config.SCALARS}, got {name!r}")
         if not self.built:
             raise ValueError("the optimizer is not built yet (call build() or apply() first)")
         return getattr(self, f"_{name}")
@@ -306,6 +393,37 @@ class GradientAccumulateOptimizer(
         _packed.load(_packed.saved_entries(self), store, self.name)
         self._zero_between_cycles()
 
+    def _zero_between_cycles(self, idle: bool = False) -> None:
+        """See :meth:`Shell.zero_between_cycles` (after a load, ``reset_cycle``)."""
+        if self.built:
+            self._shell.zero_between_cycles(idle)
+
+    def _set_epoch_clock(self, epoch_steps: int, steps_left: int) -> bool:
+        """Set fit's epoch clock: the steps of each epoch and the steps left in the fit (0:
+        stop it). Returns False, and does nothing, where there is no clock: on the torch
+        backend, under a ``tf.distribute`` strategy, before ``build``."""
+        return self.built and self._shell.set_epoch_clock(epoch_steps, steps_left)
+
+    def _cycle_counters(self) -> dict[str, int]:
+        """``micro_step``, ``skipped`` and ``steps_left`` now (see :meth:`Shell.counters`)."""
+        return self._shell.counters()
+
+    def _retrace_if_changed(self, model: Any) -> bool:
+        """Drop ``model``'s compiled train step if a setting it holds as a constant changed
+        since it was traced (``fit`` calls this before it makes its step). Returns whether it
+        did."""
+        if self._traced_options is None or self._traced_options == self._options:
+            return False
+        self._traced_options = None
+        if getattr(model, "train_function", None) is not None:
+            model.train_function = None
+        return True
+
+    def _note_trace(self, value: Any) -> None:
+        """Remember the settings a traced step bakes in (``value``: a tensor of the call)."""
+        if _cycle.traced(value):
+            self._traced_options = self._options
+
     # -------------------------------------------------------------------------------- build
 
     def build(self, var_list: Sequence[Any]) -> None:
@@ -321,11 +439,15 @@ class GradientAccumulateOptimizer(
         self._finish_build(var_list)
 
     @no_automatic_dependency_tracking
+    def _build_own(self, var_list: list[Any]) -> None:
+        """The shell, chosen once, and the variables it keeps the cycle in."""
+        self._shell = _shells.make(self, var_list)
+        self._shell.build(var_list)
+
+    @no_automatic_dependency_tracking
     def _finish_build(self, var_list: list[Any]) -> None:
         super().build(var_list)
-        self._agc_mask = self._resolve_agc_mask(var_list)
-
-    # -------------------------------------------------------------------- shared arithmetic
+        self._agc_mask = _boundary_grads.agc_mask(var_list, self.use_agc, self.agc_exclude)
 
     # ---------------------------------------------------------------------------- apply
 
@@ -351,7 +473,37 @@ class GradientAccumulateOptimizer(
                 ``counter("batch_weight")`` (1 unless written). A given weight counts for this
                 call only.
         """
-        self._apply_micro_batch(grads, trainable_variables, weight)
+        if weight is not None:
+            weight = _config.checked_weight(weight, self._options.reduction)
+        grads, variables = self._all_variables(list(grads), trainable_variables)
+        self._note_trace(next((g for g in grads if g is not None), None))
+        self._shell.micro_step(grads, variables, weight)
+
+    def _all_variables(
+        self, grads: list[Any], trainable_variables: Sequence[Any] | None
+    ) -> tuple[list[Any], list[Any]]:
+        """``apply``'s gradients following the wrapper's variables (None for one left out),
+        and those variables; the first call builds."""
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("call build(trainable_variables) or pass trainable_variables")
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"grads and trainable_variables differ in length: {len(grads)} vs "
+                f"{len(trainable_variables)}"
+            )
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        self._check_variables_are_known(trainable_variables)
+        if [id(v) for v in trainable_variables] != [id(v) for v in self._trainable_variables]:
+            # A variable left out of the call has no gradient in this micro-step.
+            by_id = {id(v): g for g, v in zip(grads, trainable_variables)}
+            trainable_variables = self._trainable_variables
+            grads = [by_id.get(id(v)) for v in trainable_variables]
+        return grads, trainable_variables
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None) -> Any:
         """``apply`` on ``(gradient, variable)`` pairs (and the micro-batch's ``weight``);
@@ -360,9 +512,20 @@ class GradientAccumulateOptimizer(
         self.apply(list(grads), list(variables), weight=weight)
         return self._iterations
 
-    # Stateful path (TensorFlow graphs and replicas, eager PyTorch without the core). --------
+    def stateless_apply(
+        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """Functional ``apply`` (JAX): returns new trainable and optimizer variable values.
 
-    # Functional path (JAX). --------------------------------------------------------------
+        Non-boundary micro-steps compute the accumulate only: the update runs in one branch of
+        a conditional (``lax.cond``).
+        """
+        if not self.built:
+            raise ValueError(
+                "GradientAccumulateOptimizer must be built before stateless_apply: call "
+                "build(trainable_variables)"
+            )
+        return self._shell.stateless_apply(optimizer_variables, grads, trainable_variables)
 
     # ---------------------------------------------------------------------------- flush
 
@@ -386,9 +549,9 @@ class GradientAccumulateOptimizer(
         # No current call: the seen flags alone say which variables had a gradient.
         present = list(to_numpy(self._seen) > 0)
         overwrites = any(getattr(v, "overwrite_with_gradient", False) for v in variables)
-        self._flush_cycle(variables, present, overwrites)
+        self._shell.flush(present, overwrites)
         if overwrites:
-            self._flush_overwrites(present)
+            self._shell.flush_overwrites(present)
         self.report_nonfinite()
         return True
 
@@ -400,34 +563,9 @@ class GradientAccumulateOptimizer(
 
     def get_config(self) -> dict[str, Any]:
         """Serializable config: the inner optimizer's and the accumulation settings."""
-        exclude = self.agc_exclude
-        if exclude is not None and not isinstance(exclude, str):
-            exclude = [e for e in exclude if isinstance(e, str)]
-        return {
-            "name": self.name,
-            "optimizer": keras.saving.serialize_keras_object(self.optimizer),
-            "accum_steps": self.accum_steps,
-            "reduction": self.reduction,
-            "mixed_precision": self.mixed_precision,
-            "use_agc": self.use_agc,
-            "clip_factor": self.clip_factor,
-            "eps": self.eps,
-            "agc_exclude": exclude,
-            "leftover": self.leftover,
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-            "use_core": self.use_core,
-            "on_nonfinite": self.on_nonfinite,
-            "clipnorm": self.clipnorm,
-            "clipvalue": self.clipvalue,
-            "global_clipnorm": self.global_clipnorm,
-        }
+        return _config.config_of(self)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
         """Inverse of :meth:`get_config`."""
-        return cls(**_upgraded_config(config, custom_objects))
-
-
-# LossScaleOptimizer(GradientAccumulateOptimizer) after adoption (see _adopt_loss_scaler):
-# ``self`` is the LossScaleOptimizer, its inner optimizer the wrapper that scales per cycle.
+        return cls(**_config.upgraded_config(config, custom_objects))

@@ -246,7 +246,7 @@ def test_a_nan_on_one_replica_without_merge_call(monkeypatch, use_agc):
     scenario above, with merge_call switched off on the two CPUs; with AGC the cycle's gradient
     is summed over the replicas in the update's branch. Before, the inner optimizer's count
     (a first-replica variable, whose update needs a merge_call) failed inside the branch."""
-    from gradient_accumulator.keras import _tf_shell
+    from gradient_accumulator.keras import _replica_shell
 
     strategy = mirrored(2)
     monkeypatch.setattr(strategy.extended, "_use_merge_call", lambda: False)
@@ -256,8 +256,8 @@ def test_a_nan_on_one_replica_without_merge_call(monkeypatch, use_agc):
         agreed.append(at)
         return _summed_over_replicas(at, verdict)
 
-    _summed_over_replicas = _tf_shell._summed_over_replicas
-    monkeypatch.setattr(_tf_shell, "_summed_over_replicas", summed)
+    _summed_over_replicas = _replica_shell._summed_over_replicas
+    monkeypatch.setattr(_replica_shell, "_summed_over_replicas", summed)
     x, y, keep, ref = _nan_case(use_agc)
     with strategy.scope():
         inputs, outputs = mlp()

@@ -292,7 +292,7 @@ def test_jax_flush_is_compiled_once():
     model = _accumulating("optimizer")
     for _ in range(3):
         model.fit(_unknown_length(), epochs=1, verbose=0)
-    cache = model.optimizer.__dict__["_jax_flush_cache"]
+    cache = model.optimizer._shell._flush_cache
     assert len(cache) == 1
     assert next(iter(cache.values()))._cache_size() == 1
 
@@ -305,6 +305,6 @@ def test_tf_flush_is_traced_once():
     model = _accumulating("optimizer")
     for _ in range(3):
         model.fit(_unknown_length(), epochs=1, verbose=0)
-    cache = model.optimizer.__dict__["_tf_flush_cache"]
+    cache = model.optimizer._shell._flush_cache
     assert len(cache) == 1
     assert next(iter(cache.values())).experimental_get_tracing_count() == 1

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from keras_helpers import BACKEND
 
-from gradient_accumulator.keras import GradientAccumulateOptimizer, _parts
+from gradient_accumulator.keras import GradientAccumulateOptimizer, _packed
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="the flat accumulators are JAX's")
 
@@ -34,7 +34,7 @@ def _model(seed: int) -> keras.Model:
 
 
 def _train(flat_max: int, run_eagerly: bool, settings: dict, monkeypatch) -> tuple:
-    monkeypatch.setattr(_parts, "FLAT_MAX_ELEMENTS", flat_max)
+    monkeypatch.setattr(_packed, "FLAT_MAX_ELEMENTS", flat_max)
     model = _model(0)
     opt = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), accum_steps=3, **settings)
     model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
@@ -67,7 +67,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_shared_flat_variable_trains_bit_for_bit_like_one_variable_each(case, monkeypatch):
     run_eagerly, settings = CASES[case]
-    flat = _train(_parts.FLAT_MAX_ELEMENTS, run_eagerly, settings, monkeypatch)
+    flat = _train(_packed.FLAT_MAX_ELEMENTS, run_eagerly, settings, monkeypatch)
     each = _train(-1, run_eagerly, settings, monkeypatch)
     # The layouts (the counters: five, with the epoch clock's two): the 64x80 kernel alone,
     # the five small accumulators in one vector of 901.
@@ -84,14 +84,14 @@ def test_shared_flat_variable_trains_bit_for_bit_like_one_variable_each(case, mo
 
 
 def test_no_flat_variable_for_fewer_than_two_small_accumulators(monkeypatch):
-    monkeypatch.setattr(_parts, "FLAT_MAX_ELEMENTS", 10)
+    monkeypatch.setattr(_packed, "FLAT_MAX_ELEMENTS", 10)
     model = _model(0)  # the second bias, the last kernel and the last bias are that small
     opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
     opt.build(model.trainable_variables)
     shared = [a for a in opt.accumulators if hasattr(a, "packed")]
     assert [a.shape for a in shared] == [(10,), (10, 1), (1,)]
     assert tuple(opt._acc_flat.shape) == (21,)
-    monkeypatch.setattr(_parts, "FLAT_MAX_ELEMENTS", 5)
+    monkeypatch.setattr(_packed, "FLAT_MAX_ELEMENTS", 5)
     opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
     opt.build(model.trainable_variables)
     assert not any(hasattr(a, "packed") for a in opt.accumulators)
