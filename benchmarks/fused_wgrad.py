@@ -183,6 +183,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--sweep", action="store_true", help="widths 128-1024, fp32, one thread")
+    ap.add_argument(
+        "--dtypes", default="float32,bfloat16", help="parameter dtypes, comma-separated"
+    )
     args = ap.parse_args()
     if args.sweep:
         sweep(64 if args.small else args.tokens, 1 if args.small else args.repeats)
@@ -191,7 +194,7 @@ def main() -> None:
     if args.small:
         width, tokens, repeats = 64, 16, 1
     print(f"torch {torch.__version__}, core ISA {core.cpu_isa()}")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for threads in (1, 2):
             micro_steps(dtype, threads, width, tokens, repeats)
     shapes = (
