@@ -127,6 +127,7 @@ def micro_steps(
         f"fused ÷ fresh {med['fused'] / med['fresh']:.3f}   "
         f"peak .grad bytes lower by {(grad_bytes['unfused'] - grad_bytes['fused']) / 2**20:.1f} MB"
     )
+    return med
 
 
 def gemm_alone(shapes: list[tuple[int, int, int]], repeats: int) -> None:
@@ -163,7 +164,7 @@ def sweep(tokens: int, repeats: int) -> None:
     from gradient_accumulator.torch.fused import MIN_SIZE
 
     rows = []
-    for width in (128, 256, 362, 512, 1024):
+    for width in (128, 256, 384, 512, 1024):
         med = micro_steps(torch.float32, 1, width, tokens, repeats)
         rows.append((width, 2 * width * width, med))
     print(f"\nsweep, fp32, 1 thread, {tokens} tokens (min_size default {MIN_SIZE}):")

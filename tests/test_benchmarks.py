@@ -59,6 +59,9 @@ def test_fused_wgrad_runs_and_cross_checks():
     assert max(diffs[:2]) <= 1e-6 and max(diffs[2:]) <= 1e-2, diffs
     for ratio in ("fused ÷ unfused", "fused ÷ torch .grad", "fused ÷ fresh"):
         assert ratio in proc.stdout
+    proc = _run_benchmark(str(BENCHMARKS / "fused_wgrad.py"), "--small", "--sweep")
+    assert proc.returncode == 0, f"fused_wgrad.py --sweep exited {proc.returncode}:\n{proc.stderr}"
+    assert "(left unfused by default)" in proc.stdout
 
 
 def _run_benchmark(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -240,7 +240,7 @@ class FusionReport:
 # Below this many weights a layer is left unfused by default: the host cost of the fused call
 # (about 60-90 µs a layer on the development CPU, mostly Python and the op dispatch) exceeds
 # the pass over the gradient it saves. benchmarks/fused_wgrad.py --sweep measures the crossover.
-MIN_SIZE = 2**18
+MIN_SIZE = 2**19
 
 
 def _why_not(m: nn.Linear, loop: Any, min_size: int) -> str | None:
@@ -285,8 +285,8 @@ def fuse_accumulation(
         model: the model (or a DistributedDataParallel around it: its micro-batches must then
             run inside ``accumulate(model, opt)``).
         optimizer: the ``GradientAccumulateOptimizer`` that trains it.
-        min_size: layers with fewer weights are left alone (default 2¹⁸ = 262,144, about
-            512×512): below it the fused call's fixed host cost (tens of µs) outweighs the
+        min_size: layers with fewer weights are left alone (default 2¹⁹ = 524,288, a 512×1024
+            layer): below it the fused call's fixed host cost (tens of µs) outweighs the
             pass it saves. 0 fuses every eligible layer.
 
     Returns:
