@@ -481,28 +481,25 @@ class Cycle:
     def fold_one(self, i: int, grad: torch.Tensor, weight: float) -> None:
         """Fold accumulator ``i``'s gradient during the backward of the micro-step that
         :meth:`fold` will count next (its weight is counted now, once)."""
-
-        def write(acc: torch.Tensor, weight_before: float, overwrite: bool) -> bool:
-            r = core.accumulate(
-                [acc],
-                [grad],
-                weight=weight,
-                mode=self._mode,
-                weight_before=weight_before,
-                overwrite=overwrite,
-                nonfinite_out=self._device_flag,
-            )
-            return bool(r.nonfinite) if not self.cuda else False
-
-        self.fold_early(i, weight, write)
-
-    def fold_early(self, i: int, weight: float, write: Any) -> None:
-        """Fold a gradient into accumulator ``i`` during a backward, the way :meth:`fold_one`
-        does, with ``write(acc, weight_before, overwrite) -> nonfinite`` doing the writing (the
-        accumulate formula of this cycle's mode with ``weight``)."""
         before, fresh = self.early_write(i, weight)
-        nonfinite = write(self._accs[i], before, fresh)
+        nonfinite = self.write_gradient(self._accs[i], grad, weight, before, fresh)
         self.early_written((i,), weight, nonfinite)
+
+    def write_gradient(
+        self, acc: torch.Tensor, grad: torch.Tensor, weight: float, before: float, overwrite: bool
+    ) -> bool:
+        """``core.accumulate`` of one gradient into ``acc`` with this cycle's mode; whether it
+        was non-finite (on CUDA the device flag is raised instead, and this is False)."""
+        r = core.accumulate(
+            [acc],
+            [grad],
+            weight=weight,
+            mode=self._mode,
+            weight_before=before,
+            overwrite=overwrite,
+            nonfinite_out=self._device_flag,
+        )
+        return bool(r.nonfinite) if not self.cuda else False
 
     def early_write(self, i: int, weight: float) -> tuple[float, bool]:
         """How a gradient of the micro-step in flight, folded during its backward, is written
@@ -518,7 +515,7 @@ class Cycle:
     def early_written(self, index: Sequence[int], weight: float, nonfinite: bool) -> None:
         """Record that gradients of the micro-step in flight were folded into ``index`` during
         its backward with ``weight`` (counted once per micro-step): what a layer's fused
-        fold, which writes a weight and a bias in one call, and :meth:`fold_early` report."""
+        fold, which writes a weight and a bias in one call, and :meth:`fold_one` report."""
         self._sumsq = None
         if not self._early:
             self._early = True

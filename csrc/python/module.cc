@@ -218,6 +218,20 @@ ga_dtype parse_dtype(const std::string& name) {
   throw py::value_error("dtype must be 'float32', 'bfloat16' or 'float16', got '" + name + "'");
 }
 
+/// Load a run-time library into the core (`load` is ga_onednn_load or ga_cublaslt_load) from
+/// `path`, or by its soname for None: (loaded, why not).
+py::tuple load_library(ga_status (*load)(const char*), const py::object& path) {
+  const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
+  ga_status s;
+  std::string why;
+  {
+    py::gil_scoped_release release;
+    s = load(path.is_none() ? nullptr : p.c_str());
+    if (s != kGaOk) why = ga_last_error();
+  }
+  return py::make_tuple(s == kGaOk, why);
+}
+
 /// A 2-D tensor as the core's strided matrix (a dimension of size 1 has stride 0 here).
 ga_matrix as_matrix(const TensorRef& t, const std::string& name) {
   if (t.layout.shape.size() != 2)
@@ -586,30 +600,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("weight"), py::arg("mode"), py::arg("weight_before"), py::arg("overwrite"),
         py::arg("stream") = 0, py::arg("bias_acc") = py::none(), py::arg("bias_overwrite") = false);
   m.def(
-      "onednn_load",
-      [](const py::object& path) {
-        const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
-        ga_status s;
-        {
-          py::gil_scoped_release release;
-          s = ga_onednn_load(path.is_none() ? nullptr : p.c_str());
-        }
-        return py::make_tuple(s == kGaOk,
-                              s == kGaOk ? std::string() : std::string(ga_last_error()));
-      },
+      "onednn_load", [](const py::object& path) { return load_library(&ga_onednn_load, path); },
       py::arg("path") = py::none());
   m.def(
-      "cublaslt_load",
-      [](const py::object& path) {
-        const std::string p = path.is_none() ? std::string() : py::cast<std::string>(path);
-        ga_status s;
-        {
-          py::gil_scoped_release release;
-          s = ga_cublaslt_load(path.is_none() ? nullptr : p.c_str());
-        }
-        return py::make_tuple(s == kGaOk,
-                              s == kGaOk ? std::string() : std::string(ga_last_error()));
-      },
+      "cublaslt_load", [](const py::object& path) { return load_library(&ga_cublaslt_load, path); },
       py::arg("path") = py::none());
   m.def(
       "wgrad_cpu_path",

@@ -7,7 +7,8 @@ calls the core's fused fold (``core.wgrad_accumulate``: oneDNN's matmul on the C
 on CUDA) with the accumulator as the GEMM's output, beta = 1 and the micro-batch's weight as
 the product's scale, and makes no ``.grad`` for the weight; the bias's Σdy is folded the same
 way. The bookkeeping (first write of a cycle, seen flags, the weight counted once) is the
-engine's, shared with every gradient folded during a backward (``Cycle.fold_early``).
+engine's, shared with every gradient folded during a backward (``Cycle.early_write`` and
+``Cycle.early_written``).
 
 Where the core has no fused kernel for a case (no oneDNN installed; bf16/fp16 on a CPU whose
 oneDNN has no kernel for them) the layer still folds during the backward, from a gradient it
@@ -97,26 +98,11 @@ def _fold_linear_kernel(
     )
     nonfinite = False  # a non-finite product is caught by the boundary's result check
     if not done:  # no fused kernel here: the unfused arithmetic, formed and freed at once
-        nonfinite = _fold(cycle, acc, torch.mm(dy2.t(), x2), weight, before, fresh)
+        nonfinite = cycle.write_gradient(acc, torch.mm(dy2.t(), x2), weight, before, fresh)
     if bias_acc is not None and (cpu_bias is None or not done):
         g = dy2.sum(0, dtype=torch.float32)
-        nonfinite |= _fold(cycle, bias_acc, g, weight, before, bias_fresh)
+        nonfinite |= cycle.write_gradient(bias_acc, g, weight, before, bias_fresh)
     cycle.early_written((wi,) if bi is None else (wi, bi), weight, nonfinite)
-
-
-def _fold(
-    cycle: Any, acc: torch.Tensor, g: torch.Tensor, weight: float, before: float, overwrite: bool
-) -> bool:
-    r = core.accumulate(
-        [acc],
-        [g],
-        weight=weight,
-        mode=cycle.mode,
-        weight_before=before,
-        overwrite=overwrite,
-        nonfinite_out=cycle.device_flag,
-    )
-    return bool(r.nonfinite) if not cycle.cuda else False
 
 
 _LIB.impl("fold_linear", _fold_linear_kernel, "CompositeExplicitAutograd")
