@@ -29,17 +29,7 @@ using namespace ga_test;
 
 ga_matrix Matrix(void* data, ga_dtype dtype, int64_t numel, int64_t rows, int64_t cols, int64_t rs,
                  int64_t cs) {
-  ga_matrix m{};
-  m.tensor.data = data;
-  m.tensor.dtype = dtype;
-  m.tensor.numel = numel;
-  m.tensor.device_type = kGaCUDA;
-  m.tensor.device_id = 0;
-  m.rows = rows;
-  m.cols = cols;
-  m.row_stride = rs;
-  m.col_stride = cs;
-  return m;
+  return ga_test::MatrixOn(kGaCUDA, data, dtype, numel, rows, cols, rs, cs);
 }
 
 ga_accumulate_options Sum(double w) {

@@ -469,6 +469,23 @@ inline ::testing::AssertionResult FailsWith(ga_status got, ga_status want,
          << "argument '" << arg << "', want one of" << names.str() << " (message '" << msg << "')";
 }
 
+// A matrix view for the fused weight-gradient tests: rows × cols with element strides rs, cs
+// over numel elements of data on device.
+inline ga_matrix MatrixOn(ga_device_type device, void* data, ga_dtype dtype, int64_t numel,
+                          int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+  ga_matrix m{};
+  m.tensor.data = data;
+  m.tensor.dtype = dtype;
+  m.tensor.numel = numel;
+  m.tensor.device_type = device;
+  m.tensor.device_id = 0;
+  m.rows = rows;
+  m.cols = cols;
+  m.row_stride = rs;
+  m.col_stride = cs;
+  return m;
+}
+
 inline ga_status UnsupportedOrTypeError() { return ga_has_cuda() ? kGaTypeError : kGaUnsupported; }
 
 }  // namespace ga_test

@@ -25,17 +25,7 @@ namespace {
 
 ga_matrix Matrix(void* data, ga_dtype dtype, int64_t numel, int64_t rows, int64_t cols, int64_t rs,
                  int64_t cs) {
-  ga_matrix m{};
-  m.tensor.data = data;
-  m.tensor.dtype = dtype;
-  m.tensor.numel = numel;
-  m.tensor.device_type = kGaCPU;
-  m.tensor.device_id = 0;
-  m.rows = rows;
-  m.cols = cols;
-  m.row_stride = rs;
-  m.col_stride = cs;
-  return m;
+  return ga_test::MatrixOn(kGaCPU, data, dtype, numel, rows, cols, rs, cs);
 }
 
 ga_accumulate_options Options(double w, bool overwrite = false, bool running = false,
