@@ -14,10 +14,9 @@ from keras import ops
 from gradient_accumulator.keras.agc import clip_one
 
 
-def agc_mask(var_list: Sequence[Any], use_agc: bool, exclude: Any) -> list[bool]:
-    """True for each variable AGC clips (``exclude``: the checked ``agc_exclude``)."""
-    if not use_agc:
-        return [False] * len(var_list)
+def agc_mask(var_list: Sequence[Any], exclude: Any) -> list[bool]:
+    """True for each variable AGC clips when ``use_agc`` is on (``exclude``: the checked
+    ``agc_exclude``). Independent of ``use_agc``, which may be switched on after the build."""
     if exclude is None:
         return [True] * len(var_list)
     if exclude == "final":

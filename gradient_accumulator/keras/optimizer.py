@@ -81,7 +81,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             trainable variable of rank ≥ 2 and the rank ≤ 1 variables after it (the final
             classifier, as in the NFNets paper); ``None`` or ``()`` clips everything; otherwise
             an iterable of variables, layers (all their weights) or regular expressions matched
-            against variable paths.
+            against variable paths. Resolved once, when the optimizer is built.
         leftover: what :meth:`flush` (called at the end of each epoch of ``fit``, on any model,
             by the :class:`FlushAccumulation` callback that ``fit`` adds) does with a cycle cut
             short by the end of the data: ``"apply"`` it with its true weight (an update, which
@@ -447,7 +447,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     @no_automatic_dependency_tracking
     def _finish_build(self, var_list: list[Any]) -> None:
         super().build(var_list)
-        self._agc_mask = _boundary_grads.agc_mask(var_list, self.use_agc, self.agc_exclude)
+        self._agc_mask = _boundary_grads.agc_mask(var_list, self.agc_exclude)
 
     # ---------------------------------------------------------------------------- apply
 

@@ -105,6 +105,29 @@ def test_agc_exclusions():
     assert opt._agc_mask == [True, True, False, False]
 
 
+@pytest.mark.parametrize("use_core", [None, False])
+def test_use_agc_switched_on_after_build(use_core):
+    """AGC switched on after the build clips as if it had been on from the start (the mask of
+    clipped variables was built empty when AGC was off at the build, and AGC did nothing)."""
+    x, y = data(32)
+
+    def run(at_build, after_build):
+        inputs, outputs = mlp()
+        model = keras.Model(inputs, outputs)
+        opt = GradientAccumulateOptimizer(
+            make_inner("SGD"), accum_steps=2, use_agc=at_build, use_core=use_core
+        )
+        opt.build(model.trainable_variables)
+        opt.use_agc = after_build
+        model.compile(opt, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return flat(model)
+
+    on_from_start = run(True, True)
+    assert rel_diff(run(False, True), on_from_start) <= 1e-7
+    assert rel_diff(run(False, False), on_from_start) > 1e-4  # AGC changed the weights
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the C++ core path exists on the torch backend")
 def test_core_and_ops_agc_agree():
     assert (
