@@ -2,7 +2,8 @@
 
 Model: four ``nn.Linear`` of widths 1024-2048 with GELU between them (a GPT-2-like MLP stack,
 no bias on the widest), a fixed micro-batch of ``--tokens`` rows, fp32 and bf16 parameters,
-1 and 2 threads. All rows of a section run round-robin in one process (median of the repeats):
+1 and 2 threads. All rows of a section run round-robin in one process (median of the repeats; a
+ratio is the median of the ratios within each round):
 
 * ``fresh``: forward + backward writing fresh ``.grad`` (``zero_grad()`` before): no
   accumulation at all, the floor.
@@ -84,6 +85,7 @@ def _time(fn, repeats: int) -> float:
 def micro_steps(
     dtype: torch.dtype, threads: int, width: int, tokens: int, repeats: int
 ) -> dict[str, float]:
+    """Times the four variants; returns fused ÷ each of them."""
     torch.set_num_threads(threads)
     names = ["fresh", "torch .grad", "unfused", "fused"]
     variants = [_Variant(n, dtype, width) for n in names]
@@ -103,6 +105,12 @@ def micro_steps(
         for v in variants:
             times[v.name].append(_time(lambda v=v: v.micro_step(x), 1))
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+
+    def ratio(a: str, b: str) -> float:
+        # The median of the per-round ratios: the machine's speed drifts between rounds (a
+        # shared VM), and a ratio of two times taken side by side in one round does not.
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
     path = fused_path(variants[3].model[0], tokens)
     print(
         f"\n{str(dtype).replace('torch.', '')}, {threads} thread(s), {tokens} tokens, "
@@ -110,10 +118,7 @@ def micro_steps(
     )
     print(f"{'variant':<14}{'ms / micro-step':>16}{'÷ fresh':>10}{'.grad MB alive':>16}")
     for n in names:
-        print(
-            f"{n:<14}{med[n]:>16.2f}{med[n] / med['fresh']:>10.3f}"
-            f"{grad_bytes[n] / 2**20:>16.1f}"
-        )
+        print(f"{n:<14}{med[n]:>16.2f}{ratio(n, 'fresh'):>10.3f}{grad_bytes[n] / 2**20:>16.1f}")
     # The same micro-steps went through both wrappers: their accumulators must agree.
     acc_u, acc_f = variants[2].opt.accumulators(), variants[3].opt.accumulators()
     diff = max(
@@ -122,12 +127,12 @@ def micro_steps(
     )
     print(f"accumulators fused vs unfused: max rel diff {diff:.2e}")
     print(
-        f"fused ÷ unfused {med['fused'] / med['unfused']:.3f}   "
-        f"fused ÷ torch .grad {med['fused'] / med['torch .grad']:.3f}   "
-        f"fused ÷ fresh {med['fused'] / med['fresh']:.3f}   "
+        f"fused ÷ unfused {ratio('fused', 'unfused'):.3f}   "
+        f"fused ÷ torch .grad {ratio('fused', 'torch .grad'):.3f}   "
+        f"fused ÷ fresh {ratio('fused', 'fresh'):.3f}   "
         f"peak .grad bytes lower by {(grad_bytes['unfused'] - grad_bytes['fused']) / 2**20:.1f} MB"
     )
-    return med
+    return {n: ratio("fused", n) for n in names}
 
 
 def gemm_alone(shapes: list[tuple[int, int, int]], repeats: int) -> None:
@@ -155,7 +160,8 @@ def gemm_alone(shapes: list[tuple[int, int, int]], repeats: int) -> None:
             for times, call in zip((fused, plain, mm), calls):
                 times.append(_time(call, 1))
         f, p, m = (statistics.median(t) * 1e3 for t in (fused, plain, mm))
-        print(f"{f'{out} x {inp}, {n}':>20}{f:>9.2f}{p:>11.2f}{m:>10.2f}{f / p:>20.3f}")
+        r = statistics.median(a / b for a, b in zip(fused, plain))
+        print(f"{f'{out} x {inp}, {n}':>20}{f:>9.2f}{p:>11.2f}{m:>10.2f}{r:>20.3f}")
 
 
 def sweep(tokens: int, repeats: int) -> None:
@@ -165,15 +171,15 @@ def sweep(tokens: int, repeats: int) -> None:
 
     rows = []
     for width in (128, 256, 384, 512, 1024):
-        med = micro_steps(torch.float32, 1, width, tokens, repeats)
-        rows.append((width, 2 * width * width, med))
+        fused_over = micro_steps(torch.float32, 1, width, tokens, repeats)
+        rows.append((width, 2 * width * width, fused_over))
     print(f"\nsweep, fp32, 1 thread, {tokens} tokens (min_size default {MIN_SIZE}):")
     print(f"{'width':>6}{'weights/layer':>15}{'÷ unfused':>11}{'÷ torch .grad':>15}{'÷ fresh':>9}")
-    for width, size, med in rows:
+    for width, size, r in rows:
         mark = "" if size >= MIN_SIZE else "  (left unfused by default)"
         print(
-            f"{width:>6}{size:>15}{med['fused'] / med['unfused']:>11.3f}"
-            f"{med['fused'] / med['torch .grad']:>15.3f}{med['fused'] / med['fresh']:>9.3f}{mark}"
+            f"{width:>6}{size:>15}{r['unfused']:>11.3f}{r['torch .grad']:>15.3f}"
+            f"{r['fresh']:>9.3f}{mark}"
         )
 
 
