@@ -252,7 +252,8 @@ struct DeviceState {
 
 /// Descriptors and the chosen algorithm of one case, made once.
 struct Entry {
-  bool usable = false;  // the heuristic found an algorithm
+  bool usable = false;                            // the heuristic found an algorithm
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;  // the heuristic's answer where it found none
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
@@ -266,16 +267,20 @@ using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bo
 // that a long run of distinct counts does not grow without end.
 constexpr size_t kMaxEntries = 1024;
 
-std::mutex g_cache_mu;
-std::map<int, DeviceState> g_devices;
-std::map<Key, Entry> g_cache;
-
 void destroy(const Lt& lt, Entry& e) {
   if (e.a) lt.cublasLtMatrixLayoutDestroy(e.a);
   if (e.b) lt.cublasLtMatrixLayoutDestroy(e.b);
   if (e.c) lt.cublasLtMatrixLayoutDestroy(e.c);
   if (e.desc) lt.cublasLtMatmulDescDestroy(e.desc);
 }
+
+// Shared: a call holds its entry while cublasLtMatmul reads the descriptors, so that another
+// thread emptying the full cache destroys them only once that call has let go.
+using EntryRef = std::shared_ptr<const Entry>;
+
+std::mutex g_cache_mu;
+std::map<int, DeviceState> g_devices;
+std::map<Key, EntryRef> g_cache;
 
 cudaDataType_t cuda_type(ga_dtype d) {
   switch (d) {
@@ -289,22 +294,18 @@ cudaDataType_t cuda_type(ga_dtype d) {
 }
 
 /// The entry of this case on the current device (under g_cache_mu): made on the first call.
-const Entry& entry(const Lt& lt, const DeviceState& ds, const Plan& p, const Key& key,
-                   uint32_t align_x, uint32_t align_dy, uint32_t align_acc) {
+EntryRef entry(const Lt& lt, const DeviceState& ds, const Plan& p, const Key& key, uint32_t align_x,
+               uint32_t align_dy, uint32_t align_acc) {
   auto it = g_cache.find(key);
   if (it != g_cache.end()) return it->second;
-  if (g_cache.size() >= kMaxEntries) {
-    for (auto& kv : g_cache) destroy(lt, kv.second);
-    g_cache.clear();
-  }
-  Entry e;
-  struct Guard {  // destroys a half-made entry when a call below fails
-    const Lt& lt;
-    Entry* e;
-    ~Guard() {
-      if (e) destroy(lt, *e);
-    }
-  } guard{lt, &e};
+  if (g_cache.size() >= kMaxEntries) g_cache.clear();  // entries in use live on until released
+  // The deleter destroys the descriptors, of a half-made entry too when a call below fails.
+  const Lt* ltp = &lt;  // the loaded library is kept for the process's lifetime
+  std::shared_ptr<Entry> made(new Entry, [ltp](Entry* x) {
+    destroy(*ltp, *x);
+    delete x;
+  });
+  Entry& e = *made;
   const cudaDataType_t t = cuda_type(p.dtype);
   check_lt(lt, lt.cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
            "cublasLtMatmulDescCreate");
@@ -349,15 +350,20 @@ const Entry& entry(const Lt& lt, const DeviceState& ds, const Plan& p, const Key
     s = lt.cublasLtMatmulAlgoGetHeuristic(ds.handle, e.desc, e.a, e.b, e.c, e.c, pref, 1, &result,
                                           &found);
   lt.cublasLtMatmulPreferenceDestroy(pref);
-  // No algorithm is an answer (cached: the case falls back), not an error.
-  if (s != CUBLAS_STATUS_NOT_SUPPORTED) check_lt(lt, s, "cublasLtMatmulAlgoGetHeuristic");
+  // No algorithm is an answer (cached: the case falls back to a formed gradient), not an error:
+  // NOT_SUPPORTED, and INVALID_VALUE for a layout or alignment this version's kernels reject.
+  if (s != CUBLAS_STATUS_NOT_SUPPORTED && s != CUBLAS_STATUS_INVALID_VALUE)
+    check_lt(lt, s, "cublasLtMatmulAlgoGetHeuristic");
   e.usable = s == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+  e.status = s != CUBLAS_STATUS_SUCCESS ? s
+             : found > 0                ? result.state
+                                        : CUBLAS_STATUS_NOT_SUPPORTED;
   if (e.usable) {
     e.algo = result.algo;
     e.workspace = result.workspaceSize;
   }
-  guard.e = nullptr;
-  return g_cache.emplace(key, e).first->second;
+  g_cache.emplace(key, made);
+  return made;
 }
 
 void matmul(const Plan& p, const ga_matrix& acc, const ga_matrix& dy, const ga_matrix& x,
@@ -382,10 +388,7 @@ void matmul(const Plan& p, const ga_matrix& acc, const ga_matrix& dy, const ga_m
                 align_dy,
                 align_acc};
   cublasLtHandle_t handle;
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulAlgo_t algo;
-  size_t workspace_bytes;
+  EntryRef e;
   {
     std::lock_guard<std::mutex> lock(g_cache_mu);
     DeviceState& ds = g_devices[device];
@@ -396,20 +399,15 @@ void matmul(const Plan& p, const ga_matrix& acc, const ga_matrix& dy, const ga_m
       ds.workspace_bytes = size_t(major >= 9 ? 32 : 4) << 20;
       check_lt(lt, lt.cublasLtCreate(&ds.handle), "cublasLtCreate");
     }
-    const Entry& e = entry(lt, ds, p, key, align_x, align_dy, align_acc);
-    if (!e.usable)
-      fail(kGaUnsupported, "",
-           "cuBLASLt has no algorithm for this case (" + std::string(detail::dtype_name(p.dtype)) +
-               ", m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
-               " k=" + std::to_string(p.k) + ")");
+    e = entry(lt, ds, p, key, align_x, align_dy, align_acc);
     handle = ds.handle;
-    desc = e.desc;
-    la = e.a;
-    lb = e.b;
-    lc = e.c;
-    algo = e.algo;
-    workspace_bytes = e.workspace;
   }
+  if (!e->usable)
+    fail(kGaUnsupported, "",
+         "cuBLASLt has no algorithm for this case (" + std::string(detail::dtype_name(p.dtype)) +
+             ", m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
+             " k=" + std::to_string(p.k) + "; " + lt.cublasLtGetStatusString(e->status) + ")");
+  const size_t workspace_bytes = e->workspace;
   // The workspace comes stream-ordered from the library's scratch pool, per call: correct for
   // calls on several streams and threads at once and inside CUDA graph capture, where one
   // buffer per device would need cross-stream events; the pool keeps it mapped between calls.
@@ -420,8 +418,8 @@ void matmul(const Plan& p, const ga_matrix& acc, const ga_matrix& dy, const ga_m
   const float alpha = static_cast<float>(p.b), beta = static_cast<float>(p.a);
   void* c = acc.tensor.data;
   const cublasStatus_t s =
-      lt.cublasLtMatmul(handle, desc, &alpha, x.tensor.data, la, dy.tensor.data, lb, &beta, c, lc,
-                        c, lc, &algo, workspace, workspace_bytes, stream);
+      lt.cublasLtMatmul(handle, e->desc, &alpha, x.tensor.data, e->a, dy.tensor.data, e->b, &beta,
+                        c, e->c, c, e->c, &e->algo, workspace, workspace_bytes, stream);
   if (workspace != nullptr) cudaFreeAsync(workspace, stream);
   check_lt(lt, s, "cublasLtMatmul");
 }
