@@ -116,6 +116,8 @@ def test_gpu_check_dry_run_lists_every_step_without_a_gpu():
         "gpu_core.py",
         "gpu_profile.py",
         "gpu_e2e.py",
+        "ga_cuda_wgrad_tests",
+        "gpu_wgrad.py",
     ):
         assert step in proc.stdout, (step, proc.stdout)
 
