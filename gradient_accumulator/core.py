@@ -432,6 +432,37 @@ def _onednn_library() -> str | None:
     return None
 
 
+def _cublaslt_wheel_library(major: int) -> str | None:
+    """``libcublasLt.so.<major>`` of PyPI's cuBLAS wheel for CUDA ``major`` where it is installed
+    (``nvidia-cublas`` for CUDA 13 and newer, ``nvidia-cublas-cu12`` for 12), else None. Those
+    wheels put the library outside the loader's search path: torch preloads its own by path."""
+    import importlib.metadata as metadata
+
+    want = f"libcublasLt.so.{major}"
+    for name in ("nvidia-cublas", f"nvidia-cublas-cu{major}"):
+        try:
+            files = metadata.distribution(name).files or ()
+        except metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.name == want:
+                return os.path.abspath(str(f.locate()))
+    return None
+
+
+def _load_cublaslt(core: Any) -> tuple[bool, str]:
+    """``GA_CUBLASLT_PATH``, else the copy already loaded or found by soname, else the cuBLAS
+    wheel of the core's CUDA major (a core built for CUDA 13 beside a torch built for 12 finds
+    no ``libcublasLt.so.13`` by soname)."""
+    path = os.environ.get("GA_CUBLASLT_PATH")
+    done = tuple(core.cublaslt_load(path))
+    if done[0] or path:
+        return done
+    version = cuda_status().runtime_version
+    wheel = _cublaslt_wheel_library(version[0]) if version is not None else None
+    return tuple(core.cublaslt_load(wheel)) if wheel is not None else done
+
+
 _LOADED: dict[str, tuple[bool, str]] = {}
 
 
@@ -443,7 +474,7 @@ def _load_library(kind: str) -> tuple[bool, str]:
         if kind == "cpu":
             done = tuple(core.onednn_load(_onednn_library()))
         else:
-            done = tuple(core.cublaslt_load(os.environ.get("GA_CUBLASLT_PATH")))
+            done = _load_cublaslt(core)
         _LOADED[kind] = done
     return done
 

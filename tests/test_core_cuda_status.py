@@ -80,3 +80,24 @@ def test_a_cuda_tensor_is_refused_with_the_reason_the_kernels_cannot_run():
             assert "no CUDA kernels" not in message and "GA_CUDA" not in message, message
         else:
             assert "no CUDA kernels" in message, (name, message)
+
+
+def test_cublaslt_is_found_in_the_cuda_major_s_pip_wheel(tmp_path, monkeypatch):
+    """A core built for CUDA 13 beside a torch built for 12 finds no ``libcublasLt.so.13`` by
+    soname: the library of PyPI's cuBLAS wheel of the core's major is taken (an installed
+    distribution is all the lookup reads: one is made here, with its RECORD)."""
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcublasLt.so.13").write_bytes(b"")
+    info = tmp_path / "nvidia_cublas-13.1.0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nvidia-cublas\nVersion: 13.1.0.3\n"
+    )
+    (info / "RECORD").write_text(
+        "nvidia/cu13/lib/libcublasLt.so.13,,\nnvidia_cublas-13.1.0.3.dist-info/RECORD,,\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = core._cublaslt_wheel_library(13)
+    assert found == str(lib / "libcublasLt.so.13")
+    assert core._cublaslt_wheel_library(97) is None  # no wheel of that major
