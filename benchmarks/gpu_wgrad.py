@@ -1,7 +1,11 @@
 """The fused weight-gradient GEMM on a GPU against plain torch: per shape, the time of
 ``core.wgrad_accumulate(acc, dy, x)`` (one cuBLASLt matmul, beta = 1, fp32 accumulator) beside
 ``torch.mm(dy.t(), x)`` alone (what a fresh ``.grad`` costs) and ``torch.mm`` + ``acc.add_``
-(today's unfused accumulation), as ratios from the same run.
+(today's unfused accumulation), as ratios from the same run. The GEMMs are timed on the device
+alone (a sleep kernel queued first lets the host run ahead, so the Python cost of each call is
+hidden); ``host_us`` is that Python cost, the host time of one call. Then GPT-2-sized Linear
+stacks per micro-step, wall time (host included, as in training). The JSON is written after
+each part, so a failure in the second keeps the first.
 
 Usage: python benchmarks/gpu_wgrad.py [--json FILE]. Prints why and exits 0 without a GPU or
 before the Python binding (``core.wgrad_accumulate``) exists.
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 SHAPES = [  # (tokens n, out, in): GPT-2 124M and 1.3B Linears at micro-batch 2 × 1024 tokens
     (2048, 768, 768),
@@ -40,17 +45,36 @@ def main() -> int:
         print("skipped: gradient_accumulator.core has no wgrad_accumulate yet")
         return 0
 
-    def timed(fn, reps=50):
+    def timed(fn, reps=50, ahead=False):
+        """µs per call between CUDA events; ``ahead``: a sleep kernel first, so that the host
+        queues all calls before the device reaches them (device time only)."""
         for _ in range(5):
             fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        if ahead:
+            torch.cuda._sleep(100_000_000)  # ~50 ms of device time: longer than the enqueueing
         start.record()
         for _ in range(reps):
             fn()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps * 1e3  # µs
+
+    def host_time(fn, reps=50):
+        """µs of host time per call, the device left to run behind."""
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = (time.perf_counter() - t) / reps * 1e6
+        torch.cuda.synchronize()
+        return host
+
+    def save(out):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), **out}, f, indent=1)
 
     probe = torch.zeros(4, 4, device="cuda")
     done, why = fused(probe, torch.ones(2, 4, device="cuda"), torch.ones(2, 4, device="cuda"))
@@ -63,9 +87,11 @@ def main() -> int:
             dy = torch.randn(n, out, device="cuda", dtype=dtype)
             x = torch.randn(n, inp, device="cuda", dtype=dtype)
             acc = torch.zeros(out, inp, device="cuda", dtype=torch.float32)
-            t_fused = timed(lambda acc=acc, dy=dy, x=x: fused(acc, dy, x, weight=1.0))
-            t_mm = timed(lambda dy=dy, x=x: torch.mm(dy.t(), x))
-            t_unfused = timed(lambda acc=acc, dy=dy, x=x: acc.add_(torch.mm(dy.t(), x)))
+            call = lambda acc=acc, dy=dy, x=x: fused(acc, dy, x, weight=1.0)  # noqa: E731
+            t_fused = timed(call, ahead=True)
+            t_mm = timed(lambda dy=dy, x=x: torch.mm(dy.t(), x), ahead=True)
+            t_unfused = timed(lambda acc=acc, dy=dy, x=x: acc.add_(torch.mm(dy.t(), x)), ahead=True)
+            t_host = host_time(call)
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
                 "n": n,
@@ -76,18 +102,21 @@ def main() -> int:
                 "mm_add_us": round(t_unfused, 2),
                 "fused_over_mm": round(t_fused / t_mm, 3),
                 "fused_over_mm_add": round(t_fused / t_unfused, 3),
+                "host_us": round(t_host, 1),
             }
             rows.append(row)
             print(
                 f"{row['dtype']:8s} n={n} {out}x{inp}: fused {t_fused:8.1f} us, torch.mm "
                 f"{t_mm:8.1f} us (fused/mm {t_fused / t_mm:.3f}), mm + add {t_unfused:8.1f} us "
-                f"(fused/(mm+add) {t_fused / t_unfused:.3f})"
+                f"(fused/(mm+add) {t_fused / t_unfused:.3f}); host {t_host:.1f} us a call"
             )
-    steps = micro_steps(torch, timed)
-    if args.json:
-        with open(args.json, "w") as f:
-            out = {"device": torch.cuda.get_device_name(), "rows": rows, "micro_steps": steps}
-            json.dump(out, f, indent=1)
+    save({"rows": rows})
+    try:
+        steps = micro_steps(torch, timed)
+    except Exception as e:  # keep the GEMM rows; say what failed
+        save({"rows": rows, "micro_steps_error": repr(e)})
+        raise
+    save({"rows": rows, "micro_steps": steps})
     return 0
 
 
