@@ -79,7 +79,6 @@ GA_API ga_status ga_cuda_bn_update_running(ga_tensor running_mean, ga_tensor run
 /** \brief Number of CUDA devices the runtime sees (0 without a driver or a device). */
 GA_API int ga_cuda_device_count(void);
 
-/** \brief Whether the CUDA kernels can run on this machine (ga_cuda_probe_result.code). */
 /**
  * \brief ga_wgrad_accumulate on CUDA tensors: acc ← a·acc + b·dyᵀx in one cuBLASLt matmul on
  *        `stream`, C = D = the fp32 accumulator, compute type fp32 (wgrad.h).
@@ -96,6 +95,7 @@ GA_API ga_status ga_cuda_wgrad_accumulate(const ga_matrix* acc, const ga_matrix*
  * runtime of this build pairs with). Idempotent once it succeeded. */
 GA_API ga_status ga_cublaslt_load(const char* path);
 
+/** \brief Whether the CUDA kernels can run on this machine (ga_cuda_probe_result.code). */
 typedef enum ga_cuda_availability {
   kGaCudaAvailable = 0,    /**< kernels built, a driver that runs them, at least one device */
   kGaCudaNotBuilt = 1,     /**< this build has no CUDA kernels */

@@ -5,8 +5,8 @@
  * ga_wgrad_accumulate folds it in with the accumulate family's formula (accumulate.h):
  * acc ← a·acc + b·dyᵀx with (a, b) from the options — (1, w) for "sum", (0, w) on a cycle's
  * first micro-step, (W/(W+w), w/(W+w)) for a running mean. The GEMM writes the accumulator as
- * its output (beta = 1) with the weight as the scale of its product, in fp32 whatever the
- * inputs' type.
+ * its output, scaled by a (the GEMM's beta: 1 for a sum, 0 on a first write, which never reads
+ * the old values), with b as the scale of its product, in fp32 whatever the inputs' type.
  *
  * The CPU path calls oneDNN's matmul primitive; the library is loaded at run time
  * (ga_onednn_load), so the core builds and runs without it. The CUDA path calls cuBLASLt on the
