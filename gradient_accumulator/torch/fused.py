@@ -10,10 +10,11 @@ way. The bookkeeping (first write of a cycle, seen flags, the weight counted onc
 engine's, shared with every gradient folded during a backward (``Cycle.early_write`` and
 ``Cycle.early_written``).
 
-Where the core has no fused kernel for a case (no oneDNN installed; bf16/fp16 on a CPU whose
-oneDNN has no kernel for them) the layer still folds during the backward, from a gradient it
-forms and frees at once: the unfused arithmetic, without a ``.grad`` kept until ``step()``.
-:func:`fused_path` says which a shape takes.
+bf16/fp16 inputs on a CPU whose oneDNN has no kernel for them are widened to fp32 by the core,
+which then takes oneDNN's fp32 GEMM. Where the core has no fused kernel at all (no oneDNN
+installed; cuBLASLt missing or without an algorithm for the case) the layer still folds during
+the backward, from a gradient it forms and frees at once: the unfused arithmetic, without a
+``.grad`` kept until ``step()``. :func:`fused_path` says which a shape takes.
 """
 
 from __future__ import annotations
