@@ -208,6 +208,36 @@ def test_core_refuses_bad_arguments_and_writes_nothing():
     assert torch.count_nonzero(acc) == 0
 
 
+class _Reused(nn.Module):
+    """One Linear applied twice in a forward (a weight-shared recurrence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 32)
+        self.shared = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+def test_a_layer_applied_twice_folds_both_uses():
+    """Both backward calls of a reused fused layer add into its accumulators in one micro-step
+    (the second is not a first write), as the unfused gradient sums them."""
+    data = _data(2, 4)
+    models = []
+    for fuse in (False, True):
+        m = _Reused()
+        opt = GradientAccumulateOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), 4)
+        if fuse:
+            assert fuse_accumulation(m, opt, min_size=0).fused == ["inp", "shared", "out"]
+        models.append(_train(m, opt, data))
+    assert _rel(*models) <= FUSED_TOL
+
+
 def test_tied_gpt2_head_gets_both_contributions():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(
