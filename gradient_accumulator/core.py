@@ -419,15 +419,21 @@ def _onednn_library() -> str | None:
     path = os.environ.get("GA_ONEDNN_PATH")
     if path:
         return path
+    return _installed_file(("onednn-cpu-gomp", "onednn"), "libdnnl.so.3")
+
+
+def _installed_file(distributions: Sequence[str], filename: str) -> str | None:
+    """The absolute path of ``filename`` in the first installed distribution of these that
+    lists it (their RECORD), else None."""
     import importlib.metadata as metadata
 
-    for name in ("onednn-cpu-gomp", "onednn"):
+    for name in distributions:
         try:
             files = metadata.distribution(name).files or ()
         except metadata.PackageNotFoundError:
             continue
         for f in files:
-            if f.name == "libdnnl.so.3":
+            if f.name == filename:
                 return os.path.abspath(str(f.locate()))
     return None
 
@@ -436,18 +442,7 @@ def _cublaslt_wheel_library(major: int) -> str | None:
     """``libcublasLt.so.<major>`` of PyPI's cuBLAS wheel for CUDA ``major`` where it is installed
     (``nvidia-cublas`` for CUDA 13 and newer, ``nvidia-cublas-cu12`` for 12), else None. Those
     wheels put the library outside the loader's search path: torch preloads its own by path."""
-    import importlib.metadata as metadata
-
-    want = f"libcublasLt.so.{major}"
-    for name in ("nvidia-cublas", f"nvidia-cublas-cu{major}"):
-        try:
-            files = metadata.distribution(name).files or ()
-        except metadata.PackageNotFoundError:
-            continue
-        for f in files:
-            if f.name == want:
-                return os.path.abspath(str(f.locate()))
-    return None
+    return _installed_file(("nvidia-cublas", f"nvidia-cublas-cu{major}"), f"libcublasLt.so.{major}")
 
 
 def _load_cublaslt(core: Any) -> tuple[bool, str]:
